@@ -1,0 +1,11 @@
+// One bind_<layer>() per layer, each in its own translation unit so that
+// only the runtime's pulls in the (slow to compile) torch headers.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace torchmpmd::bindings {
+
+void bind_graph(pybind11::module_ m);
+
+}  // namespace torchmpmd::bindings

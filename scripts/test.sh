@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs everything (scripts/setup.sh) and runs every check: the torch-free
+# C++ tests (ctest), the linters, and the Python test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+
+echo "== C++ core (CMake + GoogleTest, no torch)"
+cmake -S . -B build/cpp -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+cmake --build build/cpp
+ctest --test-dir build/cpp --output-on-failure --timeout 60
+
+echo "== lint"
+ruff check .
+ruff format --check .
+find csrc tests/cpp \( -name '*.cpp' -o -name '*.h' \) -print0 | xargs -0 clang-format --dry-run -Werror
+
+echo "== Python tests"
+# Exit code 5 (nothing collected) fails like any other failure.
+python -m pytest tests "$@"

@@ -1,0 +1,69 @@
+"""`mark_stage_end`: stage boundaries written in model code."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import TypeVar
+
+import torch
+import torch.utils._pytree as pytree
+
+__all__ = ["mark_stage_end"]
+
+T = TypeVar("T")
+
+_state = threading.local()
+
+
+@torch.library.custom_op("torchmpmd::stage_end", mutates_args=())
+def _stage_end(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    # Custom ops may not return their inputs; the copy only exists while
+    # tracing, and the partitioner removes the op from every stage.
+    return [x.clone() for x in xs]
+
+
+@_stage_end.register_fake
+def _stage_end_fake(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.empty_like(x) for x in xs]
+
+
+def _stage_end_backward(ctx: object, grads: list[torch.Tensor]) -> tuple[list[torch.Tensor]]:
+    return (list(grads),)
+
+
+_stage_end.register_autograd(_stage_end_backward)
+
+STAGE_END_OP = torch.ops.torchmpmd.stage_end.default
+# A boundary whose result the model ignores must still survive dead-code
+# elimination in torch.export and fx.
+torch.fx.node.has_side_effect(STAGE_END_OP)
+
+
+@contextlib.contextmanager
+def _tracing() -> Iterator[None]:
+    """Makes `mark_stage_end` record a boundary (only `mpmd.trace` enters this)."""
+    previous = getattr(_state, "tracing", False)
+    _state.tracing = True
+    try:
+        yield
+    finally:
+        _state.tracing = previous
+
+
+def mark_stage_end(x: T) -> T:
+    """Ends the current pipeline stage after `x` (a tensor, or a tuple/list/dict of them).
+
+    Returns `x` unchanged. Outside `mpmd.trace` it costs nothing; while tracing it
+    records a boundary: operations after this call in program order belong to the
+    next stage. Non-tensor leaves pass through untouched.
+    """
+    if not getattr(_state, "tracing", False):
+        return x
+    leaves, spec = pytree.tree_flatten(x)
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    marked = STAGE_END_OP([leaves[i] for i in positions])
+    for i, value in zip(positions, marked, strict=True):
+        leaves[i] = value
+    return pytree.tree_unflatten(leaves, spec)

@@ -1,0 +1,233 @@
+"""`Pipe`: a model split into stages, with the plan of what crosses between them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from ._format import human_bytes, table
+
+__all__ = ["Pipe"]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """Shape and dtype of one microbatch's tensor."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @staticmethod
+    def of(value: Any) -> TensorSpec | None:
+        if not isinstance(value, torch.Tensor):
+            return None
+        return TensorSpec(tuple(int(d) for d in value.shape), value.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return numel * self.dtype.itemsize
+
+    def __str__(self) -> str:
+        return f"{tuple(self.shape)} {str(self.dtype).removeprefix('torch.')}"
+
+
+@dataclass(frozen=True, slots=True)
+class StageSpec:
+    """What one stage reads and writes, in the order its GraphModule uses."""
+
+    index: int
+    input_names: tuple[str, ...]  # user inputs first, then received values
+    input_specs: tuple[TensorSpec | None, ...]
+    num_user_inputs: int
+    output_names: tuple[str, ...]  # sent values first, then (last stage) model outputs
+    output_specs: tuple[TensorSpec | None, ...]
+    num_sends: int
+
+
+@dataclass(frozen=True, slots=True)
+class TransferInfo:
+    """One value sent from `src_stage` directly to each of `dst_stages`."""
+
+    name: str
+    spec: TensorSpec
+    src_stage: int
+    dst_stages: tuple[int, ...]
+    requires_grad: bool
+
+
+class Pipe:
+    """A model split into pipeline stages by `mpmd.trace`.
+
+    `pipe.stage(i)` is stage i's `torch.fx.GraphModule`; its parameters are the
+    model's own (shared, not copied) under their original names. `pipe(...)`
+    runs every stage in order in this process and equals `model(...)`.
+    """
+
+    def __init__(
+        self,
+        *,
+        stages: list[fx.GraphModule],
+        stage_specs: list[StageSpec],
+        transfers: list[TransferInfo],
+        tied: dict[str, tuple[int, ...]],
+        plan: Any,
+        input_names: list[str],
+        input_specs: list[Any],
+        in_spec: pytree.TreeSpec,
+        out_spec: pytree.TreeSpec,
+        kwarg_order: list[str],
+        input_node_names: list[str | None],
+        output_names: list[str | None],
+        constant_outputs: dict[int, Any],
+        parameter_aliases: dict[str, list[str]],
+    ) -> None:
+        self._stages = stages
+        self.stage_specs = stage_specs
+        self.transfers = transfers
+        self.tied = tied
+        self.plan = plan
+        self.input_names = input_names
+        self.input_specs = input_specs
+        self._in_spec = in_spec
+        self.out_spec = out_spec
+        self._kwarg_order = kwarg_order
+        self.input_node_names = input_node_names
+        self.output_names = output_names
+        self.constant_outputs = constant_outputs
+        self.parameter_aliases = parameter_aliases
+
+    @property
+    def num_stages(self) -> int:
+        return len(self._stages)
+
+    def stage(self, i: int) -> fx.GraphModule:
+        """The GraphModule of stage `i`: `stage(*inputs) -> tuple(outputs)`."""
+        if not 0 <= i < self.num_stages:
+            raise IndexError(f"Pipe has {self.num_stages} stages; stage {i} does not exist")
+        return self._stages[i]
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """Every parameter once, under its name in the original model."""
+        seen: set[int] = set()
+        for gm in self._stages:
+            for name, p in gm.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield name, p
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    # ---- running
+
+    def flatten_inputs(self, args: tuple, kwargs: dict[str, Any]) -> list[Any]:
+        """Flattens call arguments like the traced example, checking each against it."""
+        unknown = sorted(set(kwargs) - set(self._kwarg_order))
+        missing = [k for k in self._kwarg_order if k not in kwargs]
+        if unknown or missing:
+            raise TypeError(
+                f"pipeline traced with keyword arguments {self._kwarg_order}; "
+                + (f"got unexpected {unknown}" if unknown else f"missing {missing}")
+                + ": pass the same arguments as the traced example (trace again to change them)"
+            )
+        ordered = {k: kwargs[k] for k in self._kwarg_order}
+        flat, spec = pytree.tree_flatten((tuple(args), ordered))
+        if spec != self._in_spec:
+            raise TypeError(
+                "pipeline inputs are structured differently from the traced example: "
+                f"traced {self._in_spec}, got {spec}"
+            )
+        for name, expected, value in zip(self.input_names, self.input_specs, flat, strict=True):
+            check_input(name, expected, value)
+        return flat
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        flat = self.flatten_inputs(args, kwargs)
+        env = {n: v for n, v in zip(self.input_node_names, flat, strict=True) if n is not None}
+        for gm, spec in zip(self._stages, self.stage_specs, strict=True):
+            outputs = gm(*(env[n] for n in spec.input_names))
+            env.update(zip(spec.output_names, outputs, strict=True))
+        return self.unflatten_outputs(env)
+
+    def unflatten_outputs(self, env: dict[str, Any]) -> Any:
+        flat = [
+            env[name] if name is not None else self.constant_outputs[i]
+            for i, name in enumerate(self.output_names)
+        ]
+        return pytree.tree_unflatten(flat, self.out_spec)
+
+    # ---- inspection
+
+    def __repr__(self) -> str:
+        stage_rows = []
+        for i, gm in enumerate(self._stages):
+            params = list(gm.parameters())
+            n_params = sum(p.numel() for p in params)
+            n_bytes = sum(p.numel() * p.element_size() for p in params)
+            n_ops = sum(1 for n in gm.graph.nodes if n.op == "call_function")
+            stage_rows.append((i, n_params, human_bytes(n_bytes), n_ops))
+        transfer_rows = [
+            (
+                t.name,
+                str(tuple(t.spec.shape)),
+                str(t.spec.dtype).removeprefix("torch."),
+                human_bytes(t.spec.nbytes),
+                t.src_stage,
+                ", ".join(map(str, t.dst_stages)),
+                "yes" if t.requires_grad else "no",
+            )
+            for t in self.transfers
+        ]
+        tied_rows = [
+            (name, ", ".join(self.parameter_aliases.get(name, [name])), ", ".join(map(str, stages)))
+            for name, stages in self.tied.items()
+        ]
+        return "\n\n".join(
+            [
+                f"Pipe with {self.num_stages} stages",
+                table("Stages", ["stage", "params", "bytes", "ops"], stage_rows),
+                table(
+                    "Transfers (per microbatch)",
+                    ["value", "shape", "dtype", "bytes", "from", "to", "grad"],
+                    transfer_rows,
+                ),
+                table("Tied parameters", ["parameter", "names", "stages"], tied_rows),
+            ]
+        )
+
+
+def check_input(name: str, expected: Any, value: Any) -> None:
+    """Rejects an input whose shape, dtype or constant value differs from the trace."""
+    if isinstance(expected, TensorSpec):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"pipeline input '{name}' was a tensor {expected} when traced, got {type(value).__name__}"
+            )
+        got = TensorSpec.of(value)
+        if got != expected:
+            raise ValueError(
+                f"pipeline input '{name}' has shape {tuple(got.shape)} and dtype {got.dtype}, but the "
+                f"pipeline was traced with shape {tuple(expected.shape)} and dtype {expected.dtype}: "
+                "pass microbatches like the traced example, or trace again with this shape"
+            )
+    elif isinstance(value, torch.Tensor) or not _same_constant(expected, value):
+        raise ValueError(
+            f"pipeline input '{name}' was {expected!r} when traced, got {value!r}: non-tensor inputs "
+            "are baked into the traced graph; trace again with the new value"
+        )
+
+
+def _same_constant(a: Any, b: Any) -> bool:
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:
+        return a is b
