@@ -18,6 +18,7 @@ class GPTConfig:
     heads: int = 4
     layers: int = 8
     dropout: float = 0.0
+    tie_embeddings: bool = True
 
 
 class CausalSelfAttention(nn.Module):
@@ -63,7 +64,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.ln_f = nn.LayerNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.head.weight = self.tok.weight  # tied
+        if cfg.tie_embeddings:
+            self.head.weight = self.tok.weight
         self.apply(self._init)
         for name, p in self.named_parameters():
             if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):

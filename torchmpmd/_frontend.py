@@ -560,6 +560,7 @@ class _GraphBuilder:
             output_names=[v.name if isinstance(v, fx.Node) else None for v in self.user_outputs],
             constant_outputs=constant_outputs,
             parameter_aliases=aliases,
+            tied_parameters={t.node: self.state[self.nodes[t.node].name] for t in plan.tied},
         )
 
     def _fqn(self, node: fx.Node) -> str:

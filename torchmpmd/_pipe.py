@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -88,6 +89,7 @@ class Pipe:
         output_names: list[str | None],
         constant_outputs: dict[int, Any],
         parameter_aliases: dict[str, list[str]],
+        tied_parameters: dict[int, torch.nn.Parameter],
     ) -> None:
         self._stages = stages
         self.stage_specs = stage_specs
@@ -103,6 +105,21 @@ class Pipe:
         self.output_names = output_names
         self.constant_outputs = constant_outputs
         self.parameter_aliases = parameter_aliases
+        # Tied parameters by their node id in the plan, and the stages holding each.
+        self.tied_parameters = tied_parameters
+        self._tied_stages = {t.node: tuple(t.stages) for t in plan.tied}
+
+    def replicate(self) -> Pipe:
+        """A copy with its own parameters and buffers (tying within it kept)."""
+        memo: dict[int, Any] = {}
+        stages = copy.deepcopy(self._stages, memo)
+        clone = copy.copy(self)
+        clone._stages = stages
+        clone.tied_parameters = {node: memo[id(p)] for node, p in self.tied_parameters.items()}
+        return clone
+
+    def plan_tied_stages(self, node: int) -> tuple[int, ...]:
+        return self._tied_stages[node]
 
     @property
     def num_stages(self) -> int:
@@ -131,6 +148,13 @@ class Pipe:
 
     def flatten_inputs(self, args: tuple, kwargs: dict[str, Any]) -> list[Any]:
         """Flattens call arguments like the traced example, checking each against it."""
+        flat = self.flatten_structure(args, kwargs)
+        for name, expected, value in zip(self.input_names, self.input_specs, flat, strict=True):
+            check_input(name, expected, value)
+        return flat
+
+    def flatten_structure(self, args: tuple, kwargs: dict[str, Any]) -> list[Any]:
+        """Flattens call arguments like the traced example (structure only)."""
         unknown = sorted(set(kwargs) - set(self._kwarg_order))
         missing = [k for k in self._kwarg_order if k not in kwargs]
         if unknown or missing:
@@ -146,8 +170,6 @@ class Pipe:
                 "pipeline inputs are structured differently from the traced example: "
                 f"traced {self._in_spec}, got {spec}"
             )
-        for name, expected, value in zip(self.input_names, self.input_specs, flat, strict=True):
-            check_input(name, expected, value)
         return flat
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -7,5 +7,7 @@
 namespace torchmpmd::bindings {
 
 void bind_graph(pybind11::module_ m);
+void bind_schedule(pybind11::module_ m);
+void bind_runtime(pybind11::module_ m);
 
 }  // namespace torchmpmd::bindings

@@ -9,4 +9,6 @@ PYBIND11_MODULE(_C, m) {
   // Errors of the torch-free layers mean the user's input is wrong.
   pybind11::register_exception<torchmpmd::Error>(m, "Error", PyExc_ValueError);
   torchmpmd::bindings::bind_graph(m.def_submodule("graph"));
+  torchmpmd::bindings::bind_schedule(m.def_submodule("schedule"));
+  torchmpmd::bindings::bind_runtime(m.def_submodule("runtime"));
 }

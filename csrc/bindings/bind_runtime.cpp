@@ -1,0 +1,146 @@
+// The only binding that includes torch: Tensor, dtype, device and
+// ProcessGroup arguments go through torch's own pybind11 casters.
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/python.h>
+
+#include "bindings/bindings.h"
+#include "runtime/executor.h"
+
+namespace py = pybind11;
+
+namespace torchmpmd::bindings {
+
+namespace {
+
+// Calls a Python stage callable from the executor's thread, taking the GIL
+// only for the call.
+runtime::ForwardFn wrap_forward(py::function fn) {
+  std::shared_ptr<py::object> holder(new py::object(std::move(fn)),
+                                     [](py::object* o) {
+                                       py::gil_scoped_acquire gil;
+                                       delete o;
+                                     });
+  return [holder](int32_t stage, int32_t mb,
+                  const std::vector<at::Tensor>& inputs) {
+    py::gil_scoped_acquire gil;
+    try {
+      return (*holder)(stage, mb, inputs).cast<std::vector<at::Tensor>>();
+    } catch (py::error_already_set& e) {
+      throw std::runtime_error(e.what());
+    } catch (const py::cast_error& e) {
+      throw std::runtime_error(
+          std::string("the stage callable must return a list of tensors: ") +
+          e.what());
+    }
+  };
+}
+
+}  // namespace
+
+void bind_runtime(py::module_ m) {
+  using namespace runtime;
+  py::register_exception<PipelineError>(m, "PipelineError",
+                                        PyExc_RuntimeError);
+  py::register_exception<TransportError>(m, "TransportError",
+                                         PyExc_RuntimeError);
+
+  py::class_<Transport, std::shared_ptr<Transport>>(m, "Transport")
+      .def(
+          "send",
+          [](Transport& t, const at::Tensor& tensor, int peer, int64_t tag,
+             double timeout_s) {
+            t.isend(tensor.contiguous(), peer, tag)
+                ->wait(std::chrono::milliseconds(
+                    static_cast<int64_t>(timeout_s * 1000)));
+          },
+          "Sends and waits for completion (blocks, without the GIL).",
+          py::arg("tensor"), py::arg("peer"), py::arg("tag"),
+          py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "recv",
+          [](Transport& t, const at::Tensor& tensor, int peer, int64_t tag,
+             double timeout_s) {
+            t.irecv(tensor, peer, tag)
+                ->wait(std::chrono::milliseconds(
+                    static_cast<int64_t>(timeout_s * 1000)));
+          },
+          "Receives into a contiguous tensor (blocks, without the GIL).",
+          py::arg("tensor"), py::arg("peer"), py::arg("tag"),
+          py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("rank", &Transport::rank)
+      .def_property_readonly("size", &Transport::size)
+      .def_property_readonly("name", &Transport::name);
+  py::class_<C10dTransport, Transport, std::shared_ptr<C10dTransport>>(
+      m, "C10dTransport")
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(),
+           py::arg("group"));
+  py::class_<LocalWorld, std::shared_ptr<LocalWorld>>(m, "LocalWorld")
+      .def(py::init<int>(), py::arg("size"))
+      .def_property_readonly("size", &LocalWorld::size)
+      .def("transport", &LocalWorld::transport, py::arg("rank"))
+      .def("kill", &LocalWorld::kill, py::arg("rank"));
+
+  py::class_<ValueInfo>(m, "ValueInfo")
+      .def(py::init([](int32_t id, std::string name, std::vector<int64_t> shape,
+                       at::ScalarType dtype, bool requires_grad) {
+             return ValueInfo{id, std::move(name), std::move(shape), dtype,
+                              requires_grad};
+           }),
+           py::arg("id"), py::arg("name"), py::arg("shape"), py::arg("dtype"),
+           py::arg("requires_grad"));
+  py::class_<StageInfo>(m, "StageInfo")
+      .def(py::init([](int32_t id, std::vector<int32_t> inputs,
+                       std::vector<int32_t> outputs, bool has_loss) {
+             return StageInfo{id, std::move(inputs), std::move(outputs),
+                              has_loss};
+           }),
+           py::arg("id"), py::arg("inputs"), py::arg("outputs"),
+           py::arg("has_loss"));
+
+  py::class_<Executor>(m, "Executor")
+      .def(py::init([](int32_t rank, const schedule::Program& program,
+                       std::vector<StageInfo> stages,
+                       std::vector<ValueInfo> values,
+                       std::shared_ptr<Transport> transport, py::function fwd,
+                       std::map<int32_t, at::Tensor> tied, double timeout_s,
+                       int32_t max_early_recvs, bool training,
+                       c10::Device device) {
+             ExecutorOptions options;
+             options.timeout = std::chrono::milliseconds(
+                 static_cast<int64_t>(timeout_s * 1000));
+             options.max_early_recvs = max_early_recvs;
+             options.training = training;
+             options.device = device;
+             return std::make_unique<Executor>(
+                 rank, program, std::move(stages), std::move(values),
+                 std::move(transport), wrap_forward(std::move(fwd)),
+                 std::move(tied), options);
+           }),
+           py::arg("rank"), py::arg("program"), py::arg("stages"),
+           py::arg("values"), py::arg("transport"), py::arg("forward"),
+           py::arg("tied"), py::arg("timeout_s"), py::arg("max_early_recvs"),
+           py::arg("training"), py::arg("device"))
+      .def("run", &Executor::run,
+           "Runs one step; blocks (without the GIL) until it is done.",
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("rank", &Executor::rank)
+      .def_property_readonly("step_start_unix_ns",
+                             &Executor::step_start_unix_ns)
+      .def(
+          "records",
+          [](const Executor& e) {
+            std::vector<std::tuple<char, int32_t, int32_t, int64_t, int64_t,
+                                   int64_t>>
+                out;
+            for (const auto& r : e.records()) {
+              out.emplace_back(schedule::kind_letter(r.task.kind),
+                               r.task.stage, r.task.microbatch, r.start_ns,
+                               r.end_ns, r.waited_ns);
+            }
+            return out;
+          },
+          "The tasks of the last run: (kind, stage, microbatch, start_ns, "
+          "end_ns, waited_ns).");
+}
+
+}  // namespace torchmpmd::bindings

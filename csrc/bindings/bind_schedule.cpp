@@ -1,0 +1,163 @@
+#include <pybind11/stl.h>
+
+#include "bindings/bindings.h"
+#include "schedule/program.h"
+#include "schedule/simulate.h"
+
+namespace py = pybind11;
+
+namespace torchmpmd::bindings {
+
+void bind_schedule(py::module_ m) {
+  using namespace schedule;
+  py::enum_<TaskKind>(m, "TaskKind")
+      .value("F", TaskKind::kForward)
+      .value("B", TaskKind::kBackward)
+      .value("I", TaskKind::kInputGrad)
+      .value("W", TaskKind::kWeightGrad);
+
+  py::class_<Task>(m, "Task")
+      .def(py::init([](TaskKind kind, int32_t stage, int32_t microbatch) {
+             return Task{kind, stage, microbatch};
+           }),
+           py::arg("kind"), py::arg("stage"), py::arg("microbatch"))
+      .def_readonly("kind", &Task::kind)
+      .def_readonly("stage", &Task::stage)
+      .def_readonly("microbatch", &Task::microbatch)
+      .def("__repr__", [](const Task& t) { return to_string(t); });
+
+  m.def("to_action", &to_action, py::arg("task"));
+  m.def("parse_action", &parse_action, py::arg("text"));
+
+  py::class_<Edge>(m, "Edge")
+      .def(py::init([](int32_t value, int32_t src, int32_t dst, int64_t bytes,
+                       bool requires_grad) {
+             return Edge{value, src, dst, bytes, requires_grad};
+           }),
+           py::arg("value"), py::arg("src"), py::arg("dst"), py::arg("bytes"),
+           py::arg("requires_grad"))
+      .def_readonly("value", &Edge::value)
+      .def_readonly("src", &Edge::src)
+      .def_readonly("dst", &Edge::dst)
+      .def_readonly("bytes", &Edge::bytes)
+      .def_readonly("requires_grad", &Edge::requires_grad);
+
+  py::class_<TiedGroup>(m, "TiedGroup")
+      .def(py::init([](int32_t id, std::vector<int32_t> stages, int64_t bytes) {
+             return TiedGroup{id, std::move(stages), bytes};
+           }),
+           py::arg("id"), py::arg("stages"), py::arg("bytes"))
+      .def_readonly("id", &TiedGroup::id)
+      .def_readonly("stages", &TiedGroup::stages)
+      .def_readonly("bytes", &TiedGroup::bytes);
+
+  py::class_<PipelineGraph>(m, "PipelineGraph")
+      .def(py::init([](int32_t num_stages, std::vector<Edge> edges,
+                       std::vector<TiedGroup> tied) {
+             PipelineGraph g;
+             g.num_stages = num_stages;
+             g.edges = std::move(edges);
+             g.tied = std::move(tied);
+             g.finalize();
+             return g;
+           }),
+           py::arg("num_stages"), py::arg("edges"), py::arg("tied"))
+      .def_static("from_plan", &PipelineGraph::from_plan, py::arg("plan"))
+      .def_static("chain", &PipelineGraph::chain, py::arg("num_stages"),
+                  py::arg("bytes") = 1)
+      .def_readonly("num_stages", &PipelineGraph::num_stages)
+      .def_readonly("edges", &PipelineGraph::edges)
+      .def_readonly("tied", &PipelineGraph::tied);
+
+  py::class_<ScheduleSpec>(m, "ScheduleSpec")
+      .def(py::init([](int32_t num_ranks, int32_t num_microbatches,
+                       std::vector<int32_t> placement,
+                       std::vector<std::vector<Task>> tasks,
+                       bool forward_only) {
+             return ScheduleSpec{num_ranks, num_microbatches,
+                                 std::move(placement), std::move(tasks),
+                                 forward_only};
+           }),
+           py::arg("num_ranks"), py::arg("num_microbatches"),
+           py::arg("placement"), py::arg("tasks"),
+           py::arg("forward_only") = false)
+      .def_readonly("num_ranks", &ScheduleSpec::num_ranks)
+      .def_readonly("num_microbatches", &ScheduleSpec::num_microbatches)
+      .def_readonly("placement", &ScheduleSpec::placement)
+      .def_readonly("tasks", &ScheduleSpec::tasks)
+      .def_readonly("forward_only", &ScheduleSpec::forward_only);
+
+  py::class_<Costs>(m, "Costs")
+      .def(py::init<>())
+      .def_static("uniform", &Costs::uniform, py::arg("num_stages"),
+                  py::arg("forward") = 1.0, py::arg("backward") = 2.0,
+                  py::arg("input_grad") = 1.0, py::arg("weight_grad") = 1.0)
+      .def_readwrite("forward", &Costs::forward)
+      .def_readwrite("backward", &Costs::backward)
+      .def_readwrite("input_grad", &Costs::input_grad)
+      .def_readwrite("weight_grad", &Costs::weight_grad)
+      .def_readwrite("activation_bytes", &Costs::activation_bytes)
+      .def_readwrite("weight_grad_bytes", &Costs::weight_grad_bytes)
+      .def_readwrite("latency", &Costs::latency)
+      .def_readwrite("bytes_per_unit", &Costs::bytes_per_unit)
+      .def_readwrite("overlap_comm", &Costs::overlap_comm);
+
+  py::enum_<Op>(m, "Op")
+      .value("compute", Op::kCompute)
+      .value("send", Op::kSend)
+      .value("recv", Op::kRecv)
+      .value("reduce_tied", Op::kReduceTied);
+  py::enum_<Payload>(m, "Payload")
+      .value("activation", Payload::kActivation)
+      .value("grad", Payload::kGrad)
+      .value("tied_grad", Payload::kTiedGrad);
+
+  py::class_<Instruction>(m, "Instruction")
+      .def_readonly("op", &Instruction::op)
+      .def_readonly("task", &Instruction::task)
+      .def_readonly("payload", &Instruction::payload)
+      .def_readonly("peer", &Instruction::peer)
+      .def_readonly("value", &Instruction::value)
+      .def_readonly("microbatch", &Instruction::microbatch)
+      .def_readonly("src_stage", &Instruction::src_stage)
+      .def_readonly("stages", &Instruction::stages)
+      .def_readonly("bytes", &Instruction::bytes)
+      .def_readonly("tag", &Instruction::tag)
+      .def("__repr__",
+           [](const Instruction& i) { return schedule::to_string(i); });
+
+  py::class_<Program>(m, "Program")
+      .def_readonly("spec", &Program::spec)
+      .def_readonly("graph", &Program::graph)
+      .def_readonly("ranks", &Program::ranks)
+      .def_readonly("order", &Program::order)
+      .def_property_readonly("num_ranks", &Program::num_ranks)
+      .def_property_readonly("num_stages", &Program::num_stages);
+
+  py::enum_<EventKind>(m, "EventKind")
+      .value("compute", EventKind::kCompute)
+      .value("transfer", EventKind::kTransfer)
+      .value("wait", EventKind::kWait);
+  py::class_<Event>(m, "Event")
+      .def_readonly("kind", &Event::kind)
+      .def_readonly("rank", &Event::rank)
+      .def_readonly("task", &Event::task)
+      .def_readonly("peer", &Event::peer)
+      .def_readonly("label", &Event::label)
+      .def_readonly("start", &Event::start)
+      .def_readonly("end", &Event::end);
+  py::class_<Timeline>(m, "Timeline")
+      .def_readonly("num_ranks", &Timeline::num_ranks)
+      .def_readonly("events", &Timeline::events)
+      .def_readonly("peak_activation_bytes", &Timeline::peak_activation_bytes);
+
+  m.def("validate", &validate, py::arg("graph"), py::arg("spec"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("lower", &lower, py::arg("graph"), py::arg("spec"), py::arg("costs"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("simulate", &simulate, py::arg("program"), py::arg("costs"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("render_grid", &render_grid, py::arg("spec"), py::arg("marks"));
+}
+
+}  // namespace torchmpmd::bindings

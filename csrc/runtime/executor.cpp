@@ -1,0 +1,534 @@
+#include "runtime/executor.h"
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <algorithm>
+#include <set>
+#include <sstream>
+
+namespace torchmpmd::runtime {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using schedule::Instruction;
+using schedule::Op;
+using schedule::Payload;
+using schedule::Task;
+using schedule::TaskKind;
+
+std::string shape_str(at::IntArrayRef shape, at::ScalarType dtype) {
+  std::ostringstream out;
+  out << "(";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    out << (i ? ", " : "") << shape[i];
+  }
+  out << (shape.size() == 1 ? ",)" : ")") << " " << c10::toString(dtype);
+  return out.str();
+}
+
+std::string seconds(std::chrono::milliseconds ms) {
+  std::ostringstream out;
+  out << ms.count() / 1000.0 << " s";
+  return out.str();
+}
+
+// An error that already carries its context: rethrown untouched by run().
+class ExecutorError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+std::string message_of(const std::exception& e) {
+  if (const auto* c10 = dynamic_cast<const c10::Error*>(&e)) {
+    return c10->what_without_backtrace();
+  }
+  return e.what();
+}
+
+}  // namespace
+
+struct Executor::State {
+  using Key = std::pair<int32_t, int32_t>;  // (value or stage, microbatch)
+  struct Activation {
+    at::Tensor tensor;
+    int32_t uses = 0;
+  };
+  struct Posted {
+    std::unique_ptr<Request> request;
+    at::Tensor buffer;
+    bool early = false;
+  };
+  struct Sending {
+    std::unique_ptr<Request> request;
+    size_t index;
+  };
+  std::map<Key, Activation> acts;
+  std::map<Key, std::vector<at::Tensor>> outputs;
+  std::map<Key, std::vector<at::Tensor>> leaves;
+  std::map<Key, std::map<int32_t, at::Tensor>> grad_parts;
+  std::map<int32_t, std::map<int32_t, at::Tensor>> tied_parts;
+  std::map<size_t, Posted> recvs;
+  std::vector<Sending> sends;
+  std::vector<bool> issued;
+  int32_t early_outstanding = 0;
+  Clock::time_point t0;
+};
+
+Executor::Executor(int32_t rank, const schedule::Program& program,
+                   std::vector<StageInfo> stages,
+                   std::vector<ValueInfo> values,
+                   std::shared_ptr<Transport> transport, ForwardFn forward,
+                   std::map<int32_t, at::Tensor> tied_parameters,
+                   ExecutorOptions options)
+    : rank_(rank),
+      program_(program),
+      code_(program_.ranks.at(rank)),
+      transport_(std::move(transport)),
+      forward_(std::move(forward)),
+      tied_(std::move(tied_parameters)),
+      options_(options) {
+  TORCH_CHECK(transport_, "torchmpmd: rank ", rank, ": no transport");
+  TORCH_CHECK(transport_->size() == program_.num_ranks(), "torchmpmd: the ",
+              transport_->name(), " group has ", transport_->size(),
+              " ranks but the program was compiled for ",
+              program_.num_ranks());
+  TORCH_CHECK(transport_->rank() == rank, "torchmpmd: executor for rank ",
+              rank, " got the transport of rank ", transport_->rank());
+  for (auto& s : stages) stages_.emplace(s.id, std::move(s));
+  for (auto& v : values) values_.emplace(v.id, std::move(v));
+  for (int32_t s = 0; s < program_.num_stages(); ++s) {
+    if (program_.rank_of(s) == rank_) {
+      TORCH_CHECK(stages_.count(s), "torchmpmd: rank ", rank_,
+                  " holds stage ", s, " but got no description of it");
+    }
+  }
+
+  // Local readers of each value: consumer stages on this rank.
+  std::map<int32_t, int32_t> local_consumers;
+  for (const auto& e : program_.graph.edges) {
+    if (program_.rank_of(e.dst) == rank_) ++local_consumers[e.value];
+  }
+  needs_.resize(code_.size());
+  for (size_t i = 0; i < code_.size(); ++i) {
+    const Instruction& ins = code_[i];
+    if (ins.op == Op::kSend && ins.payload == Payload::kActivation &&
+        ins.microbatch == 0) {
+      ++activation_uses_[ins.value];
+    }
+    if (ins.op == Op::kRecv && ins.payload == Payload::kGrad &&
+        ins.microbatch == 0) {
+      ++grad_parts_expected_[ins.value];
+    }
+    if (ins.op != Op::kRecv) continue;
+    // The first compute (or reduce) after the receive that reads it.
+    for (size_t j = i + 1; j < code_.size(); ++j) {
+      const Instruction& user = code_[j];
+      bool reads = false;
+      if (user.op == Op::kCompute && user.task.microbatch == ins.microbatch) {
+        const Task& t = user.task;
+        if (ins.payload == Payload::kActivation) {
+          reads = t.kind == TaskKind::kForward &&
+                  std::find(ins.stages.begin(), ins.stages.end(), t.stage) !=
+                      ins.stages.end();
+        } else if (ins.payload == Payload::kGrad) {
+          reads = (t.kind == TaskKind::kBackward ||
+                   t.kind == TaskKind::kInputGrad) &&
+                  t.stage == ins.src_stage;
+        }
+      } else if (user.op == Op::kReduceTied) {
+        reads = ins.payload == Payload::kTiedGrad && user.value == ins.value;
+      }
+      if (reads) {
+        needs_[j].push_back(i);
+        break;
+      }
+    }
+  }
+  for (const auto& [v, n] : local_consumers) {
+    const int32_t producer = [&] {
+      for (const auto& e : program_.graph.edges) {
+        if (e.value == v) return e.src;
+      }
+      return -1;
+    }();
+    if (program_.rank_of(producer) == rank_) {
+      activation_uses_[v] += n;
+      grad_parts_expected_[v] += n;
+    }
+  }
+  for (const auto& [id, param] : tied_) {
+    TORCH_CHECK(param.defined(), "torchmpmd: tied parameter ", id,
+                " is undefined on rank ", rank_);
+  }
+}
+
+Executor::~Executor() = default;
+
+const ValueInfo& Executor::value(int32_t id) const {
+  const auto it = values_.find(id);
+  TORCH_INTERNAL_ASSERT(it != values_.end(), "no description of value ", id);
+  return it->second;
+}
+
+const StageInfo& Executor::stage(int32_t id) const {
+  const auto it = stages_.find(id);
+  TORCH_INTERNAL_ASSERT(it != stages_.end(), "no description of stage ", id);
+  return it->second;
+}
+
+std::string Executor::describe(const Instruction& ins) const {
+  std::ostringstream out;
+  switch (ins.payload) {
+    case Payload::kActivation:
+      out << "the activation '" << value(ins.value).name << "' (stage "
+          << ins.src_stage << " -> stage";
+      for (const int32_t s : ins.stages) out << " " << s;
+      out << ") of microbatch " << ins.microbatch;
+      break;
+    case Payload::kGrad:
+      out << "the gradient of '" << value(ins.value).name << "' (stage";
+      for (const int32_t s : ins.stages) out << " " << s;
+      out << " -> stage " << ins.src_stage << ") of microbatch "
+          << ins.microbatch;
+      break;
+    case Payload::kTiedGrad:
+      out << "the gradient of tied parameter #" << ins.value;
+      break;
+  }
+  return out.str();
+}
+
+void Executor::post_recv(size_t index, State& st) {
+  const Instruction& ins = code_[index];
+  at::Tensor buffer;
+  if (ins.payload == Payload::kTiedGrad) {
+    buffer = at::empty_like(tied_.at(ins.value),
+                            at::MemoryFormat::Contiguous);
+  } else {
+    const ValueInfo& v = value(ins.value);
+    buffer = at::empty(v.shape,
+                       at::TensorOptions().dtype(v.dtype).device(
+                           options_.device));
+  }
+  State::Posted posted;
+  posted.request = transport_->irecv(buffer, ins.peer, ins.tag);
+  posted.buffer = buffer;
+  st.recvs.emplace(index, std::move(posted));
+  st.issued[index] = true;
+}
+
+void Executor::post_early(size_t pc, State& st) {
+  std::set<int32_t> blocked;  // peers with an earlier message not yet issued
+  const size_t end = std::min(code_.size(), pc + 256);
+  for (size_t j = pc; j < end; ++j) {
+    if (st.early_outstanding >= options_.max_early_recvs) return;
+    const Instruction& ins = code_[j];
+    if (ins.op != Op::kSend && ins.op != Op::kRecv) continue;
+    if (st.issued[j]) continue;
+    if (ins.op == Op::kRecv && !blocked.count(ins.peer)) {
+      post_recv(j, st);
+      st.recvs.at(j).early = true;
+      ++st.early_outstanding;
+    } else {
+      blocked.insert(ins.peer);
+    }
+  }
+}
+
+void Executor::wait_recv(size_t index, State& st, const Instruction& user) {
+  const Instruction& ins = code_[index];
+  if (!st.issued[index]) post_recv(index, st);
+  auto& posted = st.recvs.at(index);
+  const std::string task = user.op == Op::kCompute
+                               ? schedule::to_string(user.task)
+                               : std::string("the tied-gradient sum");
+  try {
+    posted.request->wait(options_.timeout);
+  } catch (const TransportError& e) {
+    std::ostringstream msg;
+    msg << "torchmpmd: rank " << rank_ << " "
+        << (e.timed_out() ? "timed out after " : "failed ")
+        << (e.timed_out() ? seconds(options_.timeout) + " " : std::string())
+        << "waiting for " << describe(ins) << " from rank " << ins.peer
+        << ", needed by " << task << " (" << transport_->name()
+        << "): " << e.what() << ". Rank " << ins.peer
+        << " may have died or be stuck"
+        << (e.timed_out() ? "; if it is only slow, raise the timeout" : "");
+    throw ExecutorError(msg.str());
+  }
+  at::Tensor buffer = std::move(posted.buffer);
+  if (posted.early) --st.early_outstanding;
+  st.recvs.erase(index);
+  switch (ins.payload) {
+    case Payload::kActivation:
+      st.acts[{ins.value, ins.microbatch}] = {
+          buffer, static_cast<int32_t>(ins.stages.size())};
+      break;
+    case Payload::kGrad:
+      st.grad_parts[{ins.value, ins.microbatch}][ins.stages.front()] = buffer;
+      break;
+    case Payload::kTiedGrad:
+      st.tied_parts[ins.value][ins.peer] = buffer;
+      break;
+  }
+}
+
+void Executor::reap_sends(State& st, bool all) {
+  auto& sends = st.sends;
+  for (size_t i = 0; i < sends.size();) {
+    const Instruction& ins = code_[sends[i].index];
+    bool done = false;
+    try {
+      if (all) {
+        sends[i].request->wait(options_.timeout);
+        done = true;
+      } else {
+        done = sends[i].request->test();
+      }
+    } catch (const TransportError& e) {
+      std::ostringstream msg;
+      msg << "torchmpmd: rank " << rank_ << " "
+          << (e.timed_out() ? "timed out sending " : "failed sending ")
+          << describe(ins) << " to rank " << ins.peer << " ("
+          << transport_->name() << "): " << e.what() << ". Rank " << ins.peer
+          << " may have died or be stuck";
+      throw ExecutorError(msg.str());
+    }
+    if (done) {
+      sends[i] = std::move(sends.back());
+      sends.pop_back();
+    } else {
+      ++i;
+    }
+  }
+}
+
+at::Tensor Executor::take_activation(int32_t v, int32_t mb, State& st) {
+  const auto it = st.acts.find({v, mb});
+  TORCH_INTERNAL_ASSERT(it != st.acts.end(), "rank ", rank_,
+                        ": activation of value ", v, " microbatch ", mb,
+                        " is not available");
+  at::Tensor t = it->second.tensor;
+  if (--it->second.uses <= 0) st.acts.erase(it);
+  return t;
+}
+
+at::Tensor Executor::sum_grad_parts(int32_t v, int32_t mb, State& st) {
+  const auto it = st.grad_parts.find({v, mb});
+  const auto expected = grad_parts_expected_.count(v)
+                            ? grad_parts_expected_.at(v)
+                            : 0;
+  const size_t have = it == st.grad_parts.end() ? 0 : it->second.size();
+  TORCH_INTERNAL_ASSERT(static_cast<int32_t>(have) == expected, "rank ",
+                        rank_, ": value ", v, " microbatch ", mb, " has ",
+                        have, " of ", expected, " gradient parts");
+  // Ascending contributor order: the same sum on every run.
+  at::Tensor total;
+  for (auto& [key, part] : it->second) {
+    total = total.defined() ? total.add(part) : part;
+  }
+  st.grad_parts.erase(it);
+  return total;
+}
+
+void Executor::forward(const Task& task, State& st) {
+  const StageInfo& si = stage(task.stage);
+  const int32_t mb = task.microbatch;
+  std::vector<at::Tensor> inputs;
+  inputs.reserve(si.inputs.size());
+  for (const int32_t v : si.inputs) {
+    at::Tensor t = take_activation(v, mb, st);
+    if (options_.training) {
+      t = t.detach();
+      if (value(v).requires_grad) t.requires_grad_(true);
+    }
+    inputs.push_back(std::move(t));
+  }
+  std::vector<at::Tensor> outs;
+  {
+    at::AutoGradMode grad_mode(options_.training);
+    outs = forward_(task.stage, mb, inputs);
+  }
+  const size_t want = si.outputs.size() + (options_.training && si.has_loss);
+  if (outs.size() != want) {
+    throw ExecutorError(c10::str("torchmpmd: rank ", rank_, ": ",
+                                 schedule::to_string(task), " returned ",
+                                 outs.size(), " tensors, expected ", want));
+  }
+  for (size_t i = 0; i < si.outputs.size(); ++i) {
+    const ValueInfo& v = value(si.outputs[i]);
+    const at::Tensor& out = outs[i];
+    if (out.sizes().vec() != v.shape || out.scalar_type() != v.dtype) {
+      throw ExecutorError(c10::str(
+          "torchmpmd: rank ", rank_, ": ", schedule::to_string(task),
+          " produced '", v.name, "' with shape ",
+          shape_str(out.sizes(), out.scalar_type()),
+          " but the stage plan expects ", shape_str(v.shape, v.dtype),
+          "; it was not sent. Every microbatch must have the shape of the "
+          "traced example (trace again for another shape)"));
+    }
+    const auto uses = activation_uses_.find(v.id);
+    if (uses != activation_uses_.end() && uses->second > 0) {
+      st.acts[{v.id, mb}] = {out, uses->second};
+    }
+  }
+  if (options_.training) {
+    st.leaves[{task.stage, mb}] = std::move(inputs);
+    st.outputs[{task.stage, mb}] = std::move(outs);
+  }
+}
+
+void Executor::backward(const Task& task, State& st) {
+  TORCH_CHECK(task.kind == TaskKind::kBackward, "torchmpmd: rank ", rank_,
+              ": ", schedule::to_string(task),
+              " needs stages split into input- and weight-gradient graphs");
+  const StageInfo& si = stage(task.stage);
+  const int32_t mb = task.microbatch;
+  const State::Key key{task.stage, mb};
+  auto outs = std::move(st.outputs.at(key));
+  auto leaves = std::move(st.leaves.at(key));
+  st.outputs.erase(key);
+  st.leaves.erase(key);
+  std::vector<at::Tensor> roots;
+  std::vector<at::Tensor> grads;
+  for (size_t i = 0; i < si.outputs.size(); ++i) {
+    const ValueInfo& v = value(si.outputs[i]);
+    if (!v.requires_grad) continue;
+    at::Tensor g = sum_grad_parts(v.id, mb, st);
+    if (outs[i].requires_grad()) {
+      roots.push_back(outs[i]);
+      grads.push_back(g);
+    }
+  }
+  if (si.has_loss) {
+    roots.push_back(outs.back());
+    grads.push_back(at::ones_like(outs.back()));
+  }
+  if (!roots.empty()) {
+    torch::autograd::backward(roots, grads);
+  }
+  for (size_t j = 0; j < si.inputs.size(); ++j) {
+    const ValueInfo& v = value(si.inputs[j]);
+    if (!v.requires_grad) continue;
+    at::Tensor g = leaves[j].grad();
+    st.grad_parts[{v.id, mb}][task.stage] =
+        g.defined() ? g : at::zeros_like(leaves[j]);
+  }
+}
+
+void Executor::send(const Instruction& ins, State& st) {
+  at::Tensor payload;
+  switch (ins.payload) {
+    case Payload::kActivation:
+      payload = take_activation(ins.value, ins.microbatch, st).detach();
+      break;
+    case Payload::kGrad: {
+      auto& parts = st.grad_parts.at({ins.value, ins.microbatch});
+      for (const int32_t s : ins.stages) {
+        at::Tensor part = parts.at(s);
+        payload = payload.defined() ? payload.add(part) : part;
+        parts.erase(s);
+      }
+      if (parts.empty()) st.grad_parts.erase({ins.value, ins.microbatch});
+      break;
+    }
+    case Payload::kTiedGrad: {
+      const at::Tensor& param = tied_.at(ins.value);
+      payload = param.grad().defined() ? param.grad().detach().clone()
+                                       : at::zeros_like(param);
+      break;
+    }
+  }
+  State::Sending sending;
+  sending.request = transport_->isend(payload.contiguous(), ins.peer, ins.tag);
+  sending.index = static_cast<size_t>(&ins - code_.data());
+  st.sends.push_back(std::move(sending));
+}
+
+void Executor::reduce_tied(const Instruction& ins, State& st) {
+  at::Tensor param = tied_.at(ins.value);
+  auto parts = std::move(st.tied_parts[ins.value]);
+  st.tied_parts.erase(ins.value);
+  parts[rank_] = param.grad().defined() ? param.grad().detach()
+                                        : at::zeros_like(param);
+  at::Tensor total;
+  for (auto& [r, part] : parts) {  // ascending rank: equal on every holder
+    total = total.defined() ? total.add(part) : part.clone();
+  }
+  param.mutable_grad() = total;
+}
+
+void Executor::execute(size_t pc, State& st) {
+  const Instruction& ins = code_[pc];
+  switch (ins.op) {
+    case Op::kSend:
+      send(ins, st);
+      st.issued[pc] = true;
+      return;
+    case Op::kRecv:
+      if (!st.issued[pc]) post_recv(pc, st);
+      return;
+    case Op::kReduceTied:
+    case Op::kCompute:
+      break;
+  }
+  post_early(pc + 1, st);
+  const auto wait_start = Clock::now();
+  for (const size_t r : needs_[pc]) wait_recv(r, st, ins);
+  const auto start = Clock::now();
+  if (ins.op == Op::kReduceTied) {
+    reduce_tied(ins, st);
+    return;
+  }
+  try {
+    if (ins.task.kind == TaskKind::kForward) {
+      forward(ins.task, st);
+    } else {
+      backward(ins.task, st);
+    }
+  } catch (const ExecutorError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw ExecutorError("torchmpmd: rank " + std::to_string(rank_) + ": " +
+                        schedule::to_string(ins.task) + " failed: " +
+                        message_of(e));
+  }
+  const auto end = Clock::now();
+  records_.push_back(
+      {ins.task,
+       std::chrono::duration_cast<std::chrono::nanoseconds>(start - st.t0)
+           .count(),
+       std::chrono::duration_cast<std::chrono::nanoseconds>(end - st.t0)
+           .count(),
+       std::chrono::duration_cast<std::chrono::nanoseconds>(start -
+                                                            wait_start)
+           .count()});
+}
+
+void Executor::run() {
+  State st;
+  st.issued.assign(code_.size(), false);
+  st.t0 = Clock::now();
+  step_start_unix_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                            std::chrono::system_clock::now().time_since_epoch())
+                            .count();
+  records_.clear();
+  try {
+    for (size_t pc = 0; pc < code_.size(); ++pc) {
+      execute(pc, st);
+      reap_sends(st, /*all=*/false);
+    }
+    reap_sends(st, /*all=*/true);
+  } catch (const ExecutorError& e) {
+    throw PipelineError(e.what());
+  }
+  TORCH_INTERNAL_ASSERT(st.acts.empty() && st.outputs.empty() &&
+                            st.leaves.empty() && st.grad_parts.empty() &&
+                            st.recvs.empty(),
+                        "torchmpmd: rank ", rank_,
+                        " kept tensors past the end of the step");
+}
+
+}  // namespace torchmpmd::runtime

@@ -1,0 +1,135 @@
+// The executor: runs one rank's lowered program for one step.
+//
+// Contract. run() executes the rank's instructions in order. Receives are
+// posted ahead of need (at most `max_early_recvs` at a time, never ahead of
+// an earlier unsent message to the same peer, so the pair order the lowering
+// fixed is kept) and waited on only when a task reads them: a receive never
+// blocks compute that does not depend on it. Sends start right after the
+// producing task and complete in the background. Forward calls the stage's
+// callable (which takes the GIL itself); backward runs through autograd with
+// no Python involved. Activations, received tensors and gradients live in
+// stores keyed by (value or stage, microbatch) and are freed at their last
+// use; nothing survives into the next step. Every wait has the timeout of
+// the options and fails with an error that names this rank, the peer, the
+// stage, the microbatch and the task.
+//
+// Not thread-safe: one executor per rank, driven by one thread.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "runtime/transport.h"
+#include "schedule/program.h"
+
+namespace torchmpmd::runtime {
+
+// A value that crosses stages, as the stage plan describes it.
+struct ValueInfo {
+  int32_t id = -1;
+  std::string name;
+  std::vector<int64_t> shape;
+  at::ScalarType dtype = at::kFloat;
+  bool requires_grad = false;
+};
+
+// What a stage reads from and writes to other stages (value ids, in the
+// order of its callable's received inputs and sent outputs).
+struct StageInfo {
+  int32_t id = -1;
+  std::vector<int32_t> inputs;
+  std::vector<int32_t> outputs;
+  bool has_loss = false;  // training: the callable appends the loss
+};
+
+// A step failed: a peer died or stalled, a task raised, or a microbatch did
+// not match the plan. The message names rank, peer, stage, microbatch, task.
+class PipelineError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// forward(stage, microbatch, received inputs) -> the stage's sent outputs,
+// then (has_loss and training) the scalar to start backward from.
+using ForwardFn = std::function<std::vector<at::Tensor>(
+    int32_t stage, int32_t microbatch, const std::vector<at::Tensor>& inputs)>;
+
+struct ExecutorOptions {
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  int32_t max_early_recvs = 64;
+  bool training = true;
+  at::Device device = at::kCPU;
+};
+
+// A task as it ran: nanoseconds since the step started.
+struct TaskRecord {
+  schedule::Task task;
+  int64_t start_ns = 0;
+  int64_t end_ns = 0;
+  int64_t waited_ns = 0;  // spent waiting for its receives before start
+};
+
+class Executor {
+ public:
+  Executor(int32_t rank, const schedule::Program& program,
+           std::vector<StageInfo> stages, std::vector<ValueInfo> values,
+           std::shared_ptr<Transport> transport, ForwardFn forward,
+           std::map<int32_t, at::Tensor> tied_parameters,
+           ExecutorOptions options);
+  ~Executor();
+
+  // Runs one step. Blocks until the rank's program is done and every send
+  // it started has completed. Throws PipelineError on failure.
+  void run();
+
+  // The tasks of the last run, in execution order.
+  const std::vector<TaskRecord>& records() const { return records_; }
+  // Wall-clock time (ns since the Unix epoch) at which the last run started,
+  // to line up records of different ranks.
+  int64_t step_start_unix_ns() const { return step_start_unix_ns_; }
+  int32_t rank() const { return rank_; }
+
+ private:
+  struct State;
+  void execute(size_t pc, State& st);
+  void post_early(size_t pc, State& st);
+  void post_recv(size_t index, State& st);
+  void wait_recv(size_t index, State& st, const schedule::Instruction& user);
+  void reap_sends(State& st, bool all);
+  void forward(const schedule::Task& task, State& st);
+  void backward(const schedule::Task& task, State& st);
+  void send(const schedule::Instruction& ins, State& st);
+  void reduce_tied(const schedule::Instruction& ins, State& st);
+  at::Tensor take_activation(int32_t value, int32_t mb, State& st);
+  at::Tensor sum_grad_parts(int32_t value, int32_t mb, State& st);
+  std::string describe(const schedule::Instruction& ins) const;
+  const ValueInfo& value(int32_t id) const;
+  const StageInfo& stage(int32_t id) const;
+
+  const int32_t rank_;
+  const schedule::Program program_;  // whole program: placement, graph
+  const std::vector<schedule::Instruction>& code_;
+  std::map<int32_t, StageInfo> stages_;
+  std::map<int32_t, ValueInfo> values_;
+  std::shared_ptr<Transport> transport_;
+  ForwardFn forward_;
+  std::map<int32_t, at::Tensor> tied_;
+  ExecutorOptions options_;
+  // Precomputed from the program: for each compute / reduce instruction,
+  // the receives it waits on; for each value, how many local readers one
+  // microbatch's activation has, and how many gradient parts it collects.
+  std::vector<std::vector<size_t>> needs_;
+  std::map<int32_t, int32_t> activation_uses_;
+  std::map<int32_t, int32_t> grad_parts_expected_;
+  std::vector<TaskRecord> records_;
+  int64_t step_start_unix_ns_ = 0;
+};
+
+}  // namespace torchmpmd::runtime

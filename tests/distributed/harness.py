@@ -1,0 +1,87 @@
+"""Runs a function on several Gloo ranks (spawned processes) and collects results.
+
+Each rank's return value (or traceback) comes back to the test; a rank that
+outlives the deadline is killed and reported, so a hang fails the test
+instead of stalling the suite.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class RankResult:
+    rank: int
+    ok: bool
+    value: Any = None  # the function's return value, or the traceback text
+    exitcode: int | None = None
+
+
+def _entry(fn: Callable, rank: int, world: int, store: str, queue: Any, args: tuple) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    try:
+        queue.put((rank, True, fn(rank, world, *args)))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world: int, *args: Any, deadline: float = 300.0) -> list[RankResult]:
+    """Runs fn(rank, world, *args) on `world` Gloo ranks; returns one result per rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_entry, args=(fn, r, world, store, queue, args), daemon=True)
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        end = time.monotonic() + deadline
+        for p in procs:
+            p.join(max(0.0, end - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for r in hung:
+            procs[r].kill()
+            procs[r].join()
+        results = {r: RankResult(r, False, "no result", procs[r].exitcode) for r in range(world)}
+        while not queue.empty():
+            rank, ok, value = queue.get()
+            results[rank] = RankResult(rank, ok, value, procs[rank].exitcode)
+    for r in hung:
+        results[r] = RankResult(
+            r, False, f"rank {r} still running after {deadline} s: killed", None
+        )
+    return [results[r] for r in range(world)]
+
+
+def check_all(results: list[RankResult]) -> list[Any]:
+    """Fails with every failing rank's traceback; returns the values."""
+    failed = [r for r in results if not r.ok]
+    if failed:
+        raise AssertionError(
+            "\n".join(f"--- rank {r.rank} (exit {r.exitcode}):\n{r.value}" for r in failed)
+        )
+    return [r.value for r in results]

@@ -1,0 +1,213 @@
+"""The runtime, with ranks as threads of this process (same executor, an
+in-memory transport with c10d's matching rules): it must match unpipelined
+gradient accumulation, and fail — never hang — with an error naming rank,
+peer, stage, microbatch and task when a peer dies, stalls or produces a
+tensor unlike the plan."""
+
+import re
+import threading
+import time
+
+import pytest
+import torch
+from models import CASES
+
+import torchmpmd as mpmd
+from torchmpmd.testing import LocalPipeline
+
+M = 4
+
+
+def _setup(name="gpt", dtype=torch.float64):
+    case = CASES[name]
+    model = case.model(dtype)
+    args, kwargs = case.inputs(2)
+    args = tuple(a.to(dtype) if a.is_floating_point() else a for a in args)
+    pipe = mpmd.trace(model, args, kwargs, **case.split)
+    batch, _ = case.inputs(2 * M)
+    batch = tuple(a.to(dtype) if a.is_floating_point() else a for a in batch)
+    target = case.target(2 * M)
+    if target.is_floating_point():
+        target = target.to(dtype)
+    return case, pipe, batch, target
+
+
+def _reference(case, batch, target, dtype=torch.float64):
+    ref = case.model(dtype)
+    losses = []
+    for a, y in zip(batch[0].chunk(M), target.chunk(M), strict=True):
+        loss = case.loss(case.output(ref(a)), y)
+        (loss / M).backward()
+        losses.append(loss.detach())
+    return ref, torch.stack(losses).double().mean()
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "OneFOneB"])
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("name", ["gpt", "unet"])
+def test_threads_match_gradient_accumulation(name, ranks, schedule):
+    case, pipe, batch, target = _setup(name)
+    ref, ref_loss = _reference(case, batch, target)
+    local = LocalPipeline(
+        pipe, getattr(mpmd.schedules, schedule)(M), ranks, loss_fn=case.loss, timeout=30
+    )
+    outs = local.step(*batch, target=target)
+    for out in outs:
+        torch.testing.assert_close(out.loss, ref_loss, rtol=1e-12, atol=1e-12)
+    for runner in local.runners:
+        for fqn, p in runner.named_parameters():
+            torch.testing.assert_close(
+                p.grad, ref.get_parameter(fqn).grad, rtol=1e-10, atol=1e-10, msg=fqn
+            )
+    # Evaluation: the whole batch's output on every rank.
+    for out in local.eval_step(*batch):
+        torch.testing.assert_close(out, ref(*batch), rtol=1e-12, atol=1e-12)
+
+
+class _Crash(RuntimeError):
+    pass
+
+
+def test_dead_peer_fails_every_rank_with_context():
+    case, pipe, batch, target = _setup("mlp")
+    local = LocalPipeline(pipe, mpmd.schedules.OneFOneB(M), 4, loss_fn=case.loss, timeout=20)
+    runner = local.runners[2]
+    module = runner._modules[2]
+
+    def dies(*args):
+        if args[0].shape and dies.calls == 1:  # second microbatch of stage 2
+            local.kill(2)
+            raise _Crash("rank 2 crashed")
+        dies.calls += 1
+        return module(*args)
+
+    dies.calls = 0
+    runner._modules[2] = dies
+    errors = {}
+
+    def run(rank):
+        try:
+            local.runners[rank].step(*batch, target=target)
+        except Exception as err:
+            local.kill(rank)  # as its process would exit
+            errors[rank] = err
+
+    start = time.monotonic()
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    elapsed = time.monotonic() - start
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    assert elapsed < 10, "peers waited for the timeout instead of failing at once"
+    assert isinstance(errors[2], RuntimeError) and "rank 2 crashed" in str(errors[2])
+    assert "rank 2: F(stage=2, mb=1) failed" in str(errors[2])
+    # Rank 3 waits for stage 2's activation of microbatch 1.
+    assert re.search(
+        r"torchmpmd: rank 3 failed waiting for the activation '\w+' \(stage 2 -> stage 3\) of "
+        r"microbatch 1 from rank 2, needed by F\(stage=3, mb=1\) \(local\): peer rank 2 is gone\. "
+        r"Rank 2 may have died or be stuck",
+        str(errors[3]),
+    ), str(errors[3])
+    # Rank 1 waits for stage 2's gradient.
+    assert re.search(
+        r"torchmpmd: rank 1 failed waiting for the gradient of '\w+' \(stage 2 -> stage 1\) of "
+        r"microbatch 0 from rank 2, needed by B\(stage=1, mb=0\)",
+        str(errors[1]),
+    ), str(errors[1])
+    assert isinstance(errors[1], mpmd.PipelineError)
+
+
+def test_stuck_peer_times_out_with_context():
+    case, pipe, batch, target = _setup("mlp")
+    local = LocalPipeline(pipe, mpmd.schedules.GPipe(M), 2, loss_fn=case.loss, timeout=1.0)
+    runner = local.runners[1]
+    module = runner._modules[1]
+
+    def stuck(*args):
+        time.sleep(4.0)
+        return module(*args)
+
+    runner._modules[1] = stuck
+    failed_after = {}
+    start = time.monotonic()
+
+    def run():
+        with pytest.raises(mpmd.PipelineError) as err:
+            local.runners[0].step(*batch, target=target)
+        failed_after[0] = time.monotonic() - start
+        failed_after["error"] = err.value
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    with pytest.raises(mpmd.PipelineError):
+        local.runners[1].step(*batch, target=target)  # its peer has given up
+    thread.join()
+    msg = str(failed_after["error"])
+    assert failed_after[0] < 3.0, "rank 0 did not give up after its 1 s timeout"
+    assert re.search(
+        r"torchmpmd: rank 0 timed out after 1 s waiting for the activation '\w+' \(stage 1 -> "
+        r"stage 2\) of microbatch 0 from rank 1, needed by F\(stage=2, mb=0\)",
+        msg,
+    ), msg
+    assert "raise the timeout" in msg
+
+
+def test_output_unlike_the_plan_is_rejected_before_it_is_sent():
+    case, pipe, batch, target = _setup("mlp")
+    local = LocalPipeline(pipe, mpmd.schedules.GPipe(M), 2, loss_fn=case.loss, timeout=2.0)
+    runner = local.runners[0]
+    module = runner._modules[0]
+    runner._modules[0] = lambda *a: tuple(o[:, :3] for o in module(*a))
+    with pytest.raises(mpmd.PipelineError) as err:
+        local.step(*batch, target=target)
+    assert re.search(
+        r"torchmpmd: rank 0: F\(stage=0, mb=0\) produced '\w+' with shape \(2, 3\) Double but the "
+        r"stage plan expects \(2, 16\) Double; it was not sent",
+        str(err.value),
+    ), str(err.value)
+
+
+def test_batch_that_does_not_split_into_traced_microbatches():
+    case, pipe, _batch, target = _setup("mlp")
+    local = LocalPipeline(pipe, mpmd.schedules.GPipe(M), 2, loss_fn=case.loss)
+    with pytest.raises(ValueError, match=re.escape("dimension 0 must split into 4 equal")):
+        local.runners[0].step(torch.randn(7, 16, dtype=torch.float64), target=target)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "microbatch 0: pipeline input 'args[0]' has shape (3, 16) and dtype torch.float64, but the "
+            "pipeline was traced with shape (2, 16)"
+        ),
+    ):
+        local.runners[0].step(torch.randn(12, 16, dtype=torch.float64), target=target)
+
+
+def test_loss_must_be_a_scalar():
+    _case, pipe, batch, target = _setup("mlp")
+    local = LocalPipeline(
+        pipe, mpmd.schedules.GPipe(M), 2, loss_fn=lambda out, y: out - y, timeout=2
+    )
+    with pytest.raises(
+        RuntimeError, match="the loss of microbatch 0 must be a tensor with one element"
+    ):
+        local.step(*batch, target=target)
+
+
+def test_state_dict_round_trip_and_keys():
+    case, pipe, _batch, _target = _setup("gpt")
+    model = case.model(torch.float64)
+    local = LocalPipeline(pipe, mpmd.schedules.GPipe(M), 2, loss_fn=case.loss)
+    keys = set()
+    for runner in local.runners:
+        keys |= set(runner.state_dict())
+    assert keys == set(model.state_dict())
+    # Load another model's weights into every rank, from the full state dict.
+    other = case.model(torch.float64, seed=7)
+    for runner in local.runners:
+        runner.load_state_dict(other.state_dict())
+        for fqn, p in runner.named_parameters():
+            assert torch.equal(p, other.get_parameter(fqn)), fqn
+    with pytest.raises(KeyError, match="found no entry for"):
+        local.runners[1].load_state_dict({"tok.weight": other.tok.weight})

@@ -1,0 +1,133 @@
+"""`Timeline`: when each task ran on each rank, predicted or measured."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["Timeline", "TimelineEvent"]
+
+
+@dataclass(frozen=True, slots=True)
+class TimelineEvent:
+    rank: int
+    kind: str  # "F", "B", "I", "W" for tasks; "transfer" or "wait" otherwise
+    stage: int
+    microbatch: int
+    start: float  # seconds (measured) or cost units (simulated)
+    end: float
+    label: str = ""
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    @property
+    def is_task(self) -> bool:
+        return self.kind in ("F", "B", "I", "W")
+
+
+@dataclass(slots=True)
+class Timeline:
+    """Task intervals per rank. The simulator and the runtime produce the same type."""
+
+    num_ranks: int
+    events: list[TimelineEvent]
+    source: str = "measured"  # or "simulated"
+    unit: str = "s"
+    peak_activation_bytes: list[int] = field(default_factory=list)
+
+    @property
+    def tasks(self) -> list[TimelineEvent]:
+        return [e for e in self.events if e.is_task]
+
+    @property
+    def step_time(self) -> float:
+        tasks = self.tasks
+        if not tasks:
+            return 0.0
+        return max(e.end for e in tasks) - min(e.start for e in tasks)
+
+    def busy_time(self) -> list[float]:
+        busy = [0.0] * self.num_ranks
+        for e in self.tasks:
+            busy[e.rank] += e.duration
+        return busy
+
+    @property
+    def ranks(self) -> list[int]:
+        """Ranks that have events (one, for a rank's own measured timeline)."""
+        return sorted({e.rank for e in self.events})
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of rank-time over the step not spent in tasks, over the ranks present."""
+        step = self.step_time
+        ranks = {e.rank for e in self.tasks}
+        if step <= 0 or not ranks:
+            return 0.0
+        return 1.0 - sum(self.busy_time()) / (step * len(ranks))
+
+    @staticmethod
+    def merge(timelines: Iterable[Timeline]) -> Timeline:
+        """One timeline from per-rank ones (e.g. gathered from every rank)."""
+        parts = list(timelines)
+        events = [e for t in parts for e in t.events]
+        num_ranks = max((t.num_ranks for t in parts), default=0)
+        return Timeline(num_ranks, events, parts[0].source if parts else "measured")
+
+    def to_chrome_trace(self) -> dict:
+        """Chrome trace-event JSON (opens in Perfetto / chrome://tracing)."""
+        scale = 1e6 if self.unit == "s" else 1.0  # microseconds, or raw units
+        trace = []
+        for r in range(self.num_ranks):
+            trace.append(
+                {"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}}
+            )
+        for e in self.events:
+            name = f"{e.stage}{e.kind}{e.microbatch}" if e.is_task else (e.label or e.kind)
+            trace.append(
+                {
+                    "name": name,
+                    "cat": e.kind,
+                    "ph": "X",
+                    "pid": e.rank,
+                    "tid": 0 if e.is_task else (1 if e.kind == "transfer" else 2),
+                    "ts": e.start * scale,
+                    "dur": max(e.duration * scale, 0.0),
+                    "args": {"stage": e.stage, "microbatch": e.microbatch, "source": self.source},
+                }
+            )
+        return {"traceEvents": trace, "displayTimeUnit": "ms"}
+
+    def save_chrome_trace(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_chrome_trace()))
+
+    def summary(self) -> str:
+        unit = self.unit
+        ranks = self.ranks
+        which = (
+            f"{len(ranks)} of {self.num_ranks} ranks"
+            if len(ranks) < self.num_ranks
+            else (f"{self.num_ranks} ranks")
+        )
+        return (
+            f"{self.source} timeline: {which}, step {self.step_time:.4g} {unit}, "
+            f"bubble {100 * self.bubble_fraction:.1f}%"
+        )
+
+    def __repr__(self) -> str:
+        return f"Timeline({self.summary()})"
+
+
+def from_records(
+    rank: int, num_ranks: int, records: Sequence[tuple[str, int, int, int, int, int]]
+) -> Timeline:
+    """A measured timeline of one rank from the executor's task records."""
+    events = [
+        TimelineEvent(rank, kind, stage, mb, start / 1e9, end / 1e9)
+        for kind, stage, mb, start, end, _waited in records
+    ]
+    return Timeline(num_ranks, events, "measured", "s")
