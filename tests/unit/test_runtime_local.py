@@ -126,8 +126,12 @@ def test_stuck_peer_times_out_with_context():
     module = runner._modules[1]
 
     def stuck(*args):
-        time.sleep(4.0)
+        if not stuck.slept:
+            stuck.slept = True
+            time.sleep(4.0)
         return module(*args)
+
+    stuck.slept = False
 
     runner._modules[1] = stuck
     failed_after = {}
@@ -136,6 +140,7 @@ def test_stuck_peer_times_out_with_context():
     def run():
         with pytest.raises(mpmd.PipelineError) as err:
             local.runners[0].step(*batch, target=target)
+        local.kill(0)  # as its process would exit
         failed_after[0] = time.monotonic() - start
         failed_after["error"] = err.value
 

@@ -217,3 +217,30 @@ def test_buffer_updates_land_in_the_model_buffers():
     assert torch.equal(pipe(x), expected)
     for name, buf in reference.named_buffers():
         assert torch.equal(model.get_buffer(name), buf), name
+
+
+def test_module_called_twice_across_stages_shares_its_parameters():
+    class Reuse(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shared = torch.nn.Linear(6, 6)
+            self.mid = torch.nn.Linear(6, 6)
+
+        def forward(self, x):
+            x = torch.relu(self.shared(x))
+            x = torch.relu(self.mid(x))
+            return self.shared(x)  # the same weights again, in the next stage
+
+    torch.manual_seed(0)
+    model = Reuse().double()
+    x = torch.randn(3, 6, dtype=torch.float64)
+    pipe = mpmd.trace(model, (x,), split_before=["mid"])
+    assert pipe.tied == {"shared.weight": (0, 1), "shared.bias": (0, 1)}
+    model(x).sum().backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    out = pipe(x)
+    assert torch.equal(out, model(x))
+    out.sum().backward()
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, ref[n]), n
