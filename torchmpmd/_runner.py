@@ -14,6 +14,7 @@ import torch.utils._pytree as pytree
 from . import _C
 from ._pipe import Pipe, check_input
 from ._schedule import Program, Schedule, compile_schedule
+from ._split import SplitStage
 from ._timeline import Timeline, from_records
 
 __all__ = ["PipelineRunner", "StepOutput"]
@@ -55,6 +56,8 @@ class PipelineRunner:
         chunk_dims: Mapping[str, int | None] | None = None,
         timeout: float | datetime.timedelta = 300.0,
         max_early_recvs: int = 64,
+        split_backward: bool | str = "auto",
+        compile: bool | Mapping[str, Any] = False,
         _transport: Any = None,
         _rank: int | None = None,
     ) -> None:
@@ -115,9 +118,20 @@ class PipelineRunner:
             )
             for i, t in enumerate(pipe.plan.transfers)
         ]
+        self._compile = None if compile is False else ({} if compile is True else dict(compile))
+        self._split_stages = self._choose_split(split_backward)
+        self._split_graphs: dict[int, SplitStage] = {}
+        if self._compile is not None:
+            for s in self.local_stages:
+                if s not in self._split_stages:
+                    self._modules[s] = torch.compile(self._modules[s], **self._compile)
         self._stage_infos = [
             _C.runtime.StageInfo(
-                s, list(pipe.plan.recvs[s]), list(pipe.plan.sends[s]), s == self._last
+                s,
+                list(pipe.plan.recvs[s]),
+                list(pipe.plan.sends[s]),
+                s == self._last,
+                s in self._split_stages,
             )
             for s in range(pipe.num_stages)
         ]
@@ -144,14 +158,37 @@ class PipelineRunner:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
+    def _choose_split(self, split_backward: bool | str) -> set[int]:
+        with_iw = {t.stage for t in self.program.tasks(self._rank) if t.kind in ("I", "W")}
+        if split_backward == "auto":
+            return with_iw
+        if split_backward is True:
+            return set(self.local_stages)
+        if split_backward is False:
+            if with_iw:
+                raise ValueError(
+                    f"{type(self._schedule).__name__} has input/weight-gradient tasks (I/W) for "
+                    f"stages {sorted(with_iw)} on rank {self._rank}, which need split_backward"
+                )
+            return set()
+        raise ValueError(f"split_backward must be True, False or 'auto', got {split_backward!r}")
+
     def _make_executor(self, program: Program, training: bool) -> Any:
+        split = training and bool(self._split_stages)
+        stages = self._stage_infos
+        if not training:  # evaluation runs every stage's plain forward
+            stages = [
+                _C.runtime.StageInfo(i.id, i.inputs, i.outputs, i.has_loss, False) for i in stages
+            ]
         return _C.runtime.Executor(
             rank=self._rank,
             program=program._native,
-            stages=self._stage_infos,
+            stages=stages,
             values=self._values,
             transport=self._transport,
             forward=self._forward if training else self._eval_forward,
+            input_grad=self._input_grad if split else None,
+            weight_grad=self._weight_grad if split else None,
             tied=self._tied if training else {},
             timeout_s=self._timeout,
             max_early_recvs=self._max_early_recvs,
@@ -161,7 +198,7 @@ class PipelineRunner:
 
     # ---- microbatches
 
-    def _split(self, args: tuple, kwargs: dict[str, Any]) -> list[list[Any]]:
+    def _split_batch(self, args: tuple, kwargs: dict[str, Any]) -> list[list[Any]]:
         flat = self._pipe.flatten_structure(args, kwargs)
         m = self.num_microbatches
         columns = []
@@ -202,6 +239,8 @@ class PipelineRunner:
     # ---- callables the executor runs
 
     def _forward(self, stage: int, mb: int, received: list[torch.Tensor]) -> list[torch.Tensor]:
+        if stage in self._split_graphs:
+            return self._split_forward(stage, mb, received)
         outs = self._modules[stage](*self._stage_inputs(stage, mb), *received)
         spec = self._pipe.stage_specs[stage]
         sends = list(outs[: spec.num_sends])
@@ -211,6 +250,95 @@ class PipelineRunner:
         loss = self._compute_loss(model_out, self._mb_targets[mb], mb)
         self._losses[mb] = loss.detach()
         return [*sends, loss / self.num_microbatches]
+
+    # ---- split stages (I/W): forward, input-grad and weight-grad graphs
+
+    def _split_inputs(
+        self, stage: int, mb: int, received: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        user = [v for v in self._stage_inputs(stage, mb) if isinstance(v, torch.Tensor)]
+        xs = [*user, *received]
+        if stage == self._last:
+            target = _to(self._mb_targets[mb], self.device)
+            xs += [v for v in pytree.tree_leaves(target) if isinstance(v, torch.Tensor)]
+        return xs
+
+    def _split_forward(
+        self, stage: int, mb: int, received: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        result = self._split_graphs[stage].forward(self._split_inputs(stage, mb, received))
+        if stage != self._last:
+            return result
+        # Outputs: sends, loss / m (differentiated), loss (reported); then saved.
+        sends = self._pipe.stage_specs[stage].num_sends
+        self._losses[mb] = result[sends + 1]
+        return [*result[: sends + 1], *result[sends + 2 :]]
+
+    def _input_grad(
+        self, stage: int, mb: int, saved: list[torch.Tensor], grads: list[torch.Tensor | None]
+    ) -> list[torch.Tensor]:
+        input_grads, for_w = self._split_graphs[stage].input_grad(saved, grads)
+        return [*input_grads, *for_w]
+
+    def _weight_grad(self, stage: int, mb: int, saved: list[torch.Tensor]) -> None:
+        self._split_graphs[stage].weight_grad(saved)
+
+    def _build_split_stages(self) -> None:
+        """Traces the F/I/W graphs of split stages with the first microbatch's values."""
+        grad_values = {t.value for t in self._pipe.plan.transfers if t.requires_grad}
+        for stage in sorted(self._split_stages - set(self._split_graphs)):
+            spec = self._pipe.stage_specs[stage]
+            received = [
+                torch.zeros(
+                    spec.input_specs[i].shape, dtype=spec.input_specs[i].dtype, device=self.device
+                )
+                for i in range(spec.num_user_inputs, len(spec.input_names))
+            ]
+            user_all = self._stage_inputs(stage, 0)
+            n_user = sum(isinstance(v, torch.Tensor) for v in user_all)
+            recv_values = self._pipe.plan.recvs[stage]
+            self._split_graphs[stage] = SplitStage(
+                self._modules[stage],
+                self._stage_function(stage, user_all, len(received)),
+                self._split_inputs(stage, 0, received),
+                [n_user + i for i, v in enumerate(recv_values) if v in grad_values],
+                self._compile,
+                loss_output=spec.num_sends if stage == self._last else None,
+            )
+
+    def _stage_function(self, stage: int, user_all: list[Any], n_received: int) -> Callable:
+        """fn(params, buffers, tensors) -> outputs of one stage, loss included, for tracing."""
+        module = self._modules[stage]
+        spec = self._pipe.stage_specs[stage]
+        param_names = [n for n, _ in module.named_parameters()]
+        buffer_names = [n for n, _ in module.named_buffers()]
+        tensor_slots = [i for i, v in enumerate(user_all) if isinstance(v, torch.Tensor)]
+        last = stage == self._last
+        target_leaves, target_spec = (
+            pytree.tree_flatten(self._mb_targets[0]) if last else ([], None)
+        )
+        target_consts = [None if isinstance(v, torch.Tensor) else v for v in target_leaves]
+
+        def fn(params: list[torch.Tensor], buffers: list[torch.Tensor], xs: list[torch.Tensor]):
+            state = dict(zip(param_names, params, strict=True))
+            state.update(zip(buffer_names, buffers, strict=True))
+            user = list(user_all)
+            for slot, x in zip(tensor_slots, xs, strict=False):
+                user[slot] = x
+            received = xs[len(tensor_slots) : len(tensor_slots) + n_received]
+            outs = torch.func.functional_call(module, state, (*user, *received))
+            sends = list(outs[: spec.num_sends])
+            if not last:
+                return sends
+            rest = iter(xs[len(tensor_slots) + n_received :])
+            target = pytree.tree_unflatten(
+                [next(rest) if c is None else c for c in target_consts], target_spec
+            )
+            env = dict(zip(spec.output_names, outs, strict=True))
+            loss = self._compute_loss(self._pipe.unflatten_outputs(env), target, 0)
+            return [*sends, loss / self.num_microbatches, loss.detach()]
+
+        return fn
 
     def _compute_loss(self, output: Any, target: Any, mb: int) -> torch.Tensor:
         if self._loss_fn is not None:
@@ -244,8 +372,10 @@ class PipelineRunner:
         Returns the mean loss on every rank.
         """
         m = self.num_microbatches
-        self._mb_inputs = self._split(args, kwargs)
+        self._mb_inputs = self._split_batch(args, kwargs)
         self._mb_targets = self._split_target(target) if target is not None else [None] * m
+        if self._split_stages - set(self._split_graphs):
+            self._build_split_stages()
         self._losses = [None] * m
         try:
             self._executor.run()
@@ -271,7 +401,7 @@ class PipelineRunner:
             )
             self._eval_executor = self._make_executor(program, training=False)
         m = self.num_microbatches
-        self._mb_inputs = self._split(args, kwargs)
+        self._mb_inputs = self._split_batch(args, kwargs)
         self._eval_outputs = [None] * m
         try:
             self._eval_executor.run()

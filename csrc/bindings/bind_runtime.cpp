@@ -1,7 +1,7 @@
 // The only binding that includes torch: Tensor, dtype, device and
 // ProcessGroup arguments go through torch's own pybind11 casters.
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/python.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "bindings/bindings.h"
 #include "runtime/executor.h"
@@ -12,35 +12,65 @@ namespace torchmpmd::bindings {
 
 namespace {
 
-// Calls a Python stage callable from the executor's thread, taking the GIL
-// only for the call.
-runtime::ForwardFn wrap_forward(py::function fn) {
-  std::shared_ptr<py::object> holder(new py::object(std::move(fn)),
+// A Python callable held by the executor; dropped with the GIL held.
+std::shared_ptr<py::object> hold(py::object fn) {
+  return std::shared_ptr<py::object>(new py::object(std::move(fn)),
                                      [](py::object* o) {
                                        py::gil_scoped_acquire gil;
                                        delete o;
                                      });
-  return [holder](int32_t stage, int32_t mb,
-                  const std::vector<at::Tensor>& inputs) {
-    py::gil_scoped_acquire gil;
-    try {
-      return (*holder)(stage, mb, inputs).cast<std::vector<at::Tensor>>();
-    } catch (py::error_already_set& e) {
-      throw std::runtime_error(e.what());
-    } catch (const py::cast_error& e) {
-      throw std::runtime_error(
-          std::string("the stage callable must return a list of tensors: ") +
-          e.what());
-    }
+}
+
+// Calls a Python stage callable from the executor's thread, taking the GIL
+// only for the call; Python errors become C++ errors with their message.
+template <typename... Args>
+std::vector<at::Tensor> call_tensors(const py::object& fn, Args&&... args) {
+  py::gil_scoped_acquire gil;
+  try {
+    py::object out = fn(std::forward<Args>(args)...);
+    if (out.is_none()) return {};
+    return out.cast<std::vector<at::Tensor>>();
+  } catch (py::error_already_set& e) {
+    throw std::runtime_error(e.what());
+  } catch (const py::cast_error& e) {
+    throw std::runtime_error(
+        std::string("a stage callable must return a list of tensors: ") +
+        e.what());
+  }
+}
+
+runtime::StageFunctions wrap_functions(py::function forward,
+                                       py::object input_grad,
+                                       py::object weight_grad) {
+  runtime::StageFunctions fns;
+  auto f = hold(std::move(forward));
+  fns.forward = [f](int32_t stage, int32_t mb,
+                    const std::vector<at::Tensor>& inputs) {
+    return call_tensors(*f, stage, mb, inputs);
   };
+  if (!input_grad.is_none()) {
+    auto i = hold(std::move(input_grad));
+    fns.input_grad = [i](int32_t stage, int32_t mb,
+                         const std::vector<at::Tensor>& saved,
+                         const std::vector<at::Tensor>& grads) {
+      return call_tensors(*i, stage, mb, saved, grads);
+    };
+  }
+  if (!weight_grad.is_none()) {
+    auto w = hold(std::move(weight_grad));
+    fns.weight_grad = [w](int32_t stage, int32_t mb,
+                          const std::vector<at::Tensor>& saved) {
+      call_tensors(*w, stage, mb, saved);
+    };
+  }
+  return fns;
 }
 
 }  // namespace
 
 void bind_runtime(py::module_ m) {
   using namespace runtime;
-  py::register_exception<PipelineError>(m, "PipelineError",
-                                        PyExc_RuntimeError);
+  py::register_exception<PipelineError>(m, "PipelineError", PyExc_RuntimeError);
   py::register_exception<TransportError>(m, "TransportError",
                                          PyExc_RuntimeError);
 
@@ -89,36 +119,40 @@ void bind_runtime(py::module_ m) {
            py::arg("id"), py::arg("name"), py::arg("shape"), py::arg("dtype"),
            py::arg("requires_grad"));
   py::class_<StageInfo>(m, "StageInfo")
-      .def(py::init([](int32_t id, std::vector<int32_t> inputs,
-                       std::vector<int32_t> outputs, bool has_loss) {
-             return StageInfo{id, std::move(inputs), std::move(outputs),
-                              has_loss};
-           }),
-           py::arg("id"), py::arg("inputs"), py::arg("outputs"),
-           py::arg("has_loss"));
+      .def(
+          py::init([](int32_t id, std::vector<int32_t> inputs,
+                      std::vector<int32_t> outputs, bool has_loss, bool split) {
+            return StageInfo{id, std::move(inputs), std::move(outputs),
+                             has_loss, split};
+          }),
+          py::arg("id"), py::arg("inputs"), py::arg("outputs"),
+          py::arg("has_loss"), py::arg("split") = false);
 
   py::class_<Executor>(m, "Executor")
-      .def(py::init([](int32_t rank, const schedule::Program& program,
-                       std::vector<StageInfo> stages,
-                       std::vector<ValueInfo> values,
-                       std::shared_ptr<Transport> transport, py::function fwd,
-                       std::map<int32_t, at::Tensor> tied, double timeout_s,
-                       int32_t max_early_recvs, bool training,
-                       c10::Device device) {
-             ExecutorOptions options;
-             options.timeout = std::chrono::milliseconds(
-                 static_cast<int64_t>(timeout_s * 1000));
-             options.max_early_recvs = max_early_recvs;
-             options.training = training;
-             options.device = device;
-             return std::make_unique<Executor>(
-                 rank, program, std::move(stages), std::move(values),
-                 std::move(transport), wrap_forward(std::move(fwd)),
-                 std::move(tied), options);
-           }),
+      .def(py::init(
+               [](int32_t rank, const schedule::Program& program,
+                  std::vector<StageInfo> stages, std::vector<ValueInfo> values,
+                  std::shared_ptr<Transport> transport, py::function fwd,
+                  py::object input_grad, py::object weight_grad,
+                  std::map<int32_t, at::Tensor> tied, double timeout_s,
+                  int32_t max_early_recvs, bool training, c10::Device device) {
+                 ExecutorOptions options;
+                 options.timeout = std::chrono::milliseconds(
+                     static_cast<int64_t>(timeout_s * 1000));
+                 options.max_early_recvs = max_early_recvs;
+                 options.training = training;
+                 options.device = device;
+                 return std::make_unique<Executor>(
+                     rank, program, std::move(stages), std::move(values),
+                     std::move(transport),
+                     wrap_functions(std::move(fwd), std::move(input_grad),
+                                    std::move(weight_grad)),
+                     std::move(tied), options);
+               }),
            py::arg("rank"), py::arg("program"), py::arg("stages"),
            py::arg("values"), py::arg("transport"), py::arg("forward"),
-           py::arg("tied"), py::arg("timeout_s"), py::arg("max_early_recvs"),
+           py::arg("input_grad"), py::arg("weight_grad"), py::arg("tied"),
+           py::arg("timeout_s"), py::arg("max_early_recvs"),
            py::arg("training"), py::arg("device"))
       .def("run", &Executor::run,
            "Runs one step; blocks (without the GIL) until it is done.",
@@ -129,13 +163,13 @@ void bind_runtime(py::module_ m) {
       .def(
           "records",
           [](const Executor& e) {
-            std::vector<std::tuple<char, int32_t, int32_t, int64_t, int64_t,
-                                   int64_t>>
+            std::vector<
+                std::tuple<char, int32_t, int32_t, int64_t, int64_t, int64_t>>
                 out;
             for (const auto& r : e.records()) {
-              out.emplace_back(schedule::kind_letter(r.task.kind),
-                               r.task.stage, r.task.microbatch, r.start_ns,
-                               r.end_ns, r.waited_ns);
+              out.emplace_back(schedule::kind_letter(r.task.kind), r.task.stage,
+                               r.task.microbatch, r.start_ns, r.end_ns,
+                               r.waited_ns);
             }
             return out;
           },

@@ -70,17 +70,17 @@ void bind_schedule(py::module_ m) {
       .def_readonly("tied", &PipelineGraph::tied);
 
   py::class_<ScheduleSpec>(m, "ScheduleSpec")
-      .def(py::init([](int32_t num_ranks, int32_t num_microbatches,
-                       std::vector<int32_t> placement,
-                       std::vector<std::vector<Task>> tasks,
-                       bool forward_only) {
-             return ScheduleSpec{num_ranks, num_microbatches,
-                                 std::move(placement), std::move(tasks),
-                                 forward_only};
-           }),
-           py::arg("num_ranks"), py::arg("num_microbatches"),
-           py::arg("placement"), py::arg("tasks"),
-           py::arg("forward_only") = false)
+      .def(
+          py::init([](int32_t num_ranks, int32_t num_microbatches,
+                      std::vector<int32_t> placement,
+                      std::vector<std::vector<Task>> tasks, bool forward_only) {
+            return ScheduleSpec{num_ranks, num_microbatches,
+                                std::move(placement), std::move(tasks),
+                                forward_only};
+          }),
+          py::arg("num_ranks"), py::arg("num_microbatches"),
+          py::arg("placement"), py::arg("tasks"),
+          py::arg("forward_only") = false)
       .def_readonly("num_ranks", &ScheduleSpec::num_ranks)
       .def_readonly("num_microbatches", &ScheduleSpec::num_microbatches)
       .def_readonly("placement", &ScheduleSpec::placement)

@@ -67,6 +67,8 @@ struct Executor::State {
   std::map<Key, Activation> acts;
   std::map<Key, std::vector<at::Tensor>> outputs;
   std::map<Key, std::vector<at::Tensor>> leaves;
+  std::map<Key, std::vector<at::Tensor>> saved;    // split: F -> I
+  std::map<Key, std::vector<at::Tensor>> saved_w;  // split: I -> W
   std::map<Key, std::map<int32_t, at::Tensor>> grad_parts;
   std::map<int32_t, std::map<int32_t, at::Tensor>> tied_parts;
   std::map<size_t, Posted> recvs;
@@ -77,31 +79,36 @@ struct Executor::State {
 };
 
 Executor::Executor(int32_t rank, const schedule::Program& program,
-                   std::vector<StageInfo> stages,
-                   std::vector<ValueInfo> values,
-                   std::shared_ptr<Transport> transport, ForwardFn forward,
+                   std::vector<StageInfo> stages, std::vector<ValueInfo> values,
+                   std::shared_ptr<Transport> transport,
+                   StageFunctions functions,
                    std::map<int32_t, at::Tensor> tied_parameters,
                    ExecutorOptions options)
     : rank_(rank),
       program_(program),
       code_(program_.ranks.at(rank)),
       transport_(std::move(transport)),
-      forward_(std::move(forward)),
+      fns_(std::move(functions)),
       tied_(std::move(tied_parameters)),
       options_(options) {
   TORCH_CHECK(transport_, "torchmpmd: rank ", rank, ": no transport");
   TORCH_CHECK(transport_->size() == program_.num_ranks(), "torchmpmd: the ",
               transport_->name(), " group has ", transport_->size(),
-              " ranks but the program was compiled for ",
-              program_.num_ranks());
-  TORCH_CHECK(transport_->rank() == rank, "torchmpmd: executor for rank ",
-              rank, " got the transport of rank ", transport_->rank());
-  for (auto& s : stages) stages_.emplace(s.id, std::move(s));
+              " ranks but the program was compiled for ", program_.num_ranks());
+  TORCH_CHECK(transport_->rank() == rank, "torchmpmd: executor for rank ", rank,
+              " got the transport of rank ", transport_->rank());
+  TORCH_CHECK(fns_.forward, "torchmpmd: no forward function");
+  for (auto& s : stages) {
+    TORCH_CHECK(!s.split || (fns_.input_grad && fns_.weight_grad),
+                "torchmpmd: stage ", s.id,
+                " is split but no input/weight gradient functions were given");
+    stages_.emplace(s.id, std::move(s));
+  }
   for (auto& v : values) values_.emplace(v.id, std::move(v));
   for (int32_t s = 0; s < program_.num_stages(); ++s) {
     if (program_.rank_of(s) == rank_) {
-      TORCH_CHECK(stages_.count(s), "torchmpmd: rank ", rank_,
-                  " holds stage ", s, " but got no description of it");
+      TORCH_CHECK(stages_.count(s), "torchmpmd: rank ", rank_, " holds stage ",
+                  s, " but got no description of it");
     }
   }
 
@@ -204,13 +211,11 @@ void Executor::post_recv(size_t index, State& st) {
   const Instruction& ins = code_[index];
   at::Tensor buffer;
   if (ins.payload == Payload::kTiedGrad) {
-    buffer = at::empty_like(tied_.at(ins.value),
-                            at::MemoryFormat::Contiguous);
+    buffer = at::empty_like(tied_.at(ins.value), at::MemoryFormat::Contiguous);
   } else {
     const ValueInfo& v = value(ins.value);
-    buffer = at::empty(v.shape,
-                       at::TensorOptions().dtype(v.dtype).device(
-                           options_.device));
+    buffer = at::empty(
+        v.shape, at::TensorOptions().dtype(v.dtype).device(options_.device));
   }
   State::Posted posted;
   posted.request = transport_->irecv(buffer, ins.peer, ins.tag);
@@ -317,13 +322,12 @@ at::Tensor Executor::take_activation(int32_t v, int32_t mb, State& st) {
 
 at::Tensor Executor::sum_grad_parts(int32_t v, int32_t mb, State& st) {
   const auto it = st.grad_parts.find({v, mb});
-  const auto expected = grad_parts_expected_.count(v)
-                            ? grad_parts_expected_.at(v)
-                            : 0;
+  const auto expected =
+      grad_parts_expected_.count(v) ? grad_parts_expected_.at(v) : 0;
   const size_t have = it == st.grad_parts.end() ? 0 : it->second.size();
-  TORCH_INTERNAL_ASSERT(static_cast<int32_t>(have) == expected, "rank ",
-                        rank_, ": value ", v, " microbatch ", mb, " has ",
-                        have, " of ", expected, " gradient parts");
+  TORCH_INTERNAL_ASSERT(static_cast<int32_t>(have) == expected, "rank ", rank_,
+                        ": value ", v, " microbatch ", mb, " has ", have,
+                        " of ", expected, " gradient parts");
   // Ascending contributor order: the same sum on every run.
   at::Tensor total;
   for (auto& [key, part] : it->second) {
@@ -338,9 +342,12 @@ void Executor::forward(const Task& task, State& st) {
   const int32_t mb = task.microbatch;
   std::vector<at::Tensor> inputs;
   inputs.reserve(si.inputs.size());
+  // Autograd stages take their inputs as leaves of a graph of their own;
+  // split stages compute their backward from what forward saves.
+  const bool autograd = options_.training && !si.split;
   for (const int32_t v : si.inputs) {
     at::Tensor t = take_activation(v, mb, st);
-    if (options_.training) {
+    if (autograd) {
       t = t.detach();
       if (value(v).requires_grad) t.requires_grad_(true);
     }
@@ -348,10 +355,14 @@ void Executor::forward(const Task& task, State& st) {
   }
   std::vector<at::Tensor> outs;
   {
-    at::AutoGradMode grad_mode(options_.training);
-    outs = forward_(task.stage, mb, inputs);
+    at::AutoGradMode grad_mode(autograd);
+    outs = fns_.forward(task.stage, mb, inputs);
   }
   const size_t want = si.outputs.size() + (options_.training && si.has_loss);
+  if (options_.training && si.split && outs.size() >= want) {
+    st.saved[{task.stage, mb}].assign(outs.begin() + want, outs.end());
+    outs.resize(want);
+  }
   if (outs.size() != want) {
     throw ExecutorError(c10::str("torchmpmd: rank ", rank_, ": ",
                                  schedule::to_string(task), " returned ",
@@ -374,17 +385,26 @@ void Executor::forward(const Task& task, State& st) {
       st.acts[{v.id, mb}] = {out, uses->second};
     }
   }
-  if (options_.training) {
+  if (autograd) {
     st.leaves[{task.stage, mb}] = std::move(inputs);
     st.outputs[{task.stage, mb}] = std::move(outs);
   }
 }
 
 void Executor::backward(const Task& task, State& st) {
-  TORCH_CHECK(task.kind == TaskKind::kBackward, "torchmpmd: rank ", rank_,
-              ": ", schedule::to_string(task),
-              " needs stages split into input- and weight-gradient graphs");
   const StageInfo& si = stage(task.stage);
+  if (si.split) {
+    if (task.kind != TaskKind::kWeightGrad) input_grad(task, st);
+    if (task.kind != TaskKind::kInputGrad) weight_grad(task, st);
+    return;
+  }
+  if (task.kind != TaskKind::kBackward) {
+    throw ExecutorError(c10::str(
+        "torchmpmd: rank ", rank_, ": ", schedule::to_string(task),
+        " needs stage ", task.stage,
+        " split into input- and weight-gradient graphs (the runner splits "
+        "stages whose schedule has I/W tasks)"));
+  }
   const int32_t mb = task.microbatch;
   const State::Key key{task.stage, mb};
   auto outs = std::move(st.outputs.at(key));
@@ -416,6 +436,43 @@ void Executor::backward(const Task& task, State& st) {
     st.grad_parts[{v.id, mb}][task.stage] =
         g.defined() ? g : at::zeros_like(leaves[j]);
   }
+}
+
+void Executor::input_grad(const Task& task, State& st) {
+  const StageInfo& si = stage(task.stage);
+  const int32_t mb = task.microbatch;
+  const State::Key key{task.stage, mb};
+  auto saved = std::move(st.saved.at(key));
+  st.saved.erase(key);
+  std::vector<at::Tensor> grads(si.outputs.size());
+  for (size_t i = 0; i < si.outputs.size(); ++i) {
+    const ValueInfo& v = value(si.outputs[i]);
+    if (v.requires_grad) grads[i] = sum_grad_parts(v.id, mb, st);
+  }
+  std::vector<at::Tensor> result =
+      fns_.input_grad(task.stage, mb, saved, grads);
+  size_t k = 0;
+  for (const int32_t v : si.inputs) k += value(v).requires_grad;
+  if (result.size() < k) {
+    throw ExecutorError(c10::str("torchmpmd: rank ", rank_, ": ",
+                                 schedule::to_string(task), " returned ",
+                                 result.size(), " tensors, expected at least ",
+                                 k, " input gradients"));
+  }
+  size_t next = 0;
+  for (const int32_t v : si.inputs) {
+    if (!value(v).requires_grad) continue;
+    st.grad_parts[{v, mb}][task.stage] = std::move(result[next++]);
+  }
+  st.saved_w[key].assign(std::make_move_iterator(result.begin() + k),
+                         std::make_move_iterator(result.end()));
+}
+
+void Executor::weight_grad(const Task& task, State& st) {
+  const State::Key key{task.stage, task.microbatch};
+  auto saved = std::move(st.saved_w.at(key));
+  st.saved_w.erase(key);
+  fns_.weight_grad(task.stage, task.microbatch, saved);
 }
 
 void Executor::send(const Instruction& ins, State& st) {
@@ -451,8 +508,8 @@ void Executor::reduce_tied(const Instruction& ins, State& st) {
   at::Tensor param = tied_.at(ins.value);
   auto parts = std::move(st.tied_parts[ins.value]);
   st.tied_parts.erase(ins.value);
-  parts[rank_] = param.grad().defined() ? param.grad().detach()
-                                        : at::zeros_like(param);
+  parts[rank_] =
+      param.grad().defined() ? param.grad().detach() : at::zeros_like(param);
   at::Tensor total;
   for (auto& [r, part] : parts) {  // ascending rank: equal on every holder
     total = total.defined() ? total.add(part) : part.clone();
@@ -492,8 +549,8 @@ void Executor::execute(size_t pc, State& st) {
     throw;
   } catch (const std::exception& e) {
     throw ExecutorError("torchmpmd: rank " + std::to_string(rank_) + ": " +
-                        schedule::to_string(ins.task) + " failed: " +
-                        message_of(e));
+                        schedule::to_string(ins.task) +
+                        " failed: " + message_of(e));
   }
   const auto end = Clock::now();
   records_.push_back(
@@ -502,8 +559,7 @@ void Executor::execute(size_t pc, State& st) {
            .count(),
        std::chrono::duration_cast<std::chrono::nanoseconds>(end - st.t0)
            .count(),
-       std::chrono::duration_cast<std::chrono::nanoseconds>(start -
-                                                            wait_start)
+       std::chrono::duration_cast<std::chrono::nanoseconds>(start - wait_start)
            .count()});
 }
 
@@ -524,11 +580,11 @@ void Executor::run() {
   } catch (const ExecutorError& e) {
     throw PipelineError(e.what());
   }
-  TORCH_INTERNAL_ASSERT(st.acts.empty() && st.outputs.empty() &&
-                            st.leaves.empty() && st.grad_parts.empty() &&
-                            st.recvs.empty(),
-                        "torchmpmd: rank ", rank_,
-                        " kept tensors past the end of the step");
+  TORCH_INTERNAL_ASSERT(
+      st.acts.empty() && st.outputs.empty() && st.leaves.empty() &&
+          st.grad_parts.empty() && st.saved.empty() && st.saved_w.empty() &&
+          st.recvs.empty(),
+      "torchmpmd: rank ", rank_, " kept tensors past the end of the step");
 }
 
 }  // namespace torchmpmd::runtime

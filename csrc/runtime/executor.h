@@ -47,6 +47,9 @@ struct StageInfo {
   std::vector<int32_t> inputs;
   std::vector<int32_t> outputs;
   bool has_loss = false;  // training: the callable appends the loss
+  // Backward runs as separate input- and weight-gradient callables (I/W)
+  // instead of through autograd; forward then also returns what they need.
+  bool split = false;
 };
 
 // A step failed: a peer died or stalled, a task raised, or a microbatch did
@@ -58,8 +61,26 @@ class PipelineError : public std::runtime_error {
 
 // forward(stage, microbatch, received inputs) -> the stage's sent outputs,
 // then (has_loss and training) the scalar to start backward from.
+// Split stages append the tensors their backward needs ("saved").
 using ForwardFn = std::function<std::vector<at::Tensor>(
     int32_t stage, int32_t microbatch, const std::vector<at::Tensor>& inputs)>;
+
+// Split stages only. input_grad(stage, mb, saved, output grads) -> the
+// gradients of the stage's inputs that require grad (in input order), then
+// what weight_grad needs. Output grads are aligned with the sent outputs
+// (undefined for outputs without a gradient); the loss's is implied.
+using InputGradFn = std::function<std::vector<at::Tensor>(
+    int32_t stage, int32_t microbatch, const std::vector<at::Tensor>& saved,
+    const std::vector<at::Tensor>& output_grads)>;
+// weight_grad(stage, mb, saved) accumulates into the parameters' .grad.
+using WeightGradFn = std::function<void(int32_t stage, int32_t microbatch,
+                                        const std::vector<at::Tensor>& saved)>;
+
+struct StageFunctions {
+  ForwardFn forward;
+  InputGradFn input_grad;    // needed if any stage is split
+  WeightGradFn weight_grad;  // needed if any stage is split
+};
 
 struct ExecutorOptions {
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
@@ -80,7 +101,7 @@ class Executor {
  public:
   Executor(int32_t rank, const schedule::Program& program,
            std::vector<StageInfo> stages, std::vector<ValueInfo> values,
-           std::shared_ptr<Transport> transport, ForwardFn forward,
+           std::shared_ptr<Transport> transport, StageFunctions functions,
            std::map<int32_t, at::Tensor> tied_parameters,
            ExecutorOptions options);
   ~Executor();
@@ -105,6 +126,8 @@ class Executor {
   void reap_sends(State& st, bool all);
   void forward(const schedule::Task& task, State& st);
   void backward(const schedule::Task& task, State& st);
+  void input_grad(const schedule::Task& task, State& st);
+  void weight_grad(const schedule::Task& task, State& st);
   void send(const schedule::Instruction& ins, State& st);
   void reduce_tied(const schedule::Instruction& ins, State& st);
   at::Tensor take_activation(int32_t value, int32_t mb, State& st);
@@ -119,7 +142,7 @@ class Executor {
   std::map<int32_t, StageInfo> stages_;
   std::map<int32_t, ValueInfo> values_;
   std::shared_ptr<Transport> transport_;
-  ForwardFn forward_;
+  StageFunctions fns_;
   std::map<int32_t, at::Tensor> tied_;
   ExecutorOptions options_;
   // Precomputed from the program: for each compute / reduce instruction,

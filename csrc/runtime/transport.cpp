@@ -159,8 +159,8 @@ class LocalRecv : public Request {
     if (it == world_->mailbox_.end() || it->second.empty()) {
       const int src = std::get<0>(key_);
       if (world_->dead_.count(src)) {
-        throw TransportError(
-            "peer rank " + std::to_string(src) + " is gone", false);
+        throw TransportError("peer rank " + std::to_string(src) + " is gone",
+                             false);
       }
       return false;
     }
@@ -189,8 +189,8 @@ std::unique_ptr<Request> LocalTransport::isend(const at::Tensor& tensor,
 
 std::unique_ptr<Request> LocalTransport::irecv(const at::Tensor& tensor,
                                                int peer, int64_t tag) {
-  return std::make_unique<LocalRecv>(
-      world_, LocalWorld::Key{peer, rank_, tag}, tensor);
+  return std::make_unique<LocalRecv>(world_, LocalWorld::Key{peer, rank_, tag},
+                                     tensor);
 }
 
 LocalWorld::LocalWorld(int size) : size_(size) {

@@ -1,0 +1,270 @@
+"""Splitting a stage's backward into an input-gradient and a weight-gradient graph.
+
+Zero-bubble schedules run the backward of a stage in two tasks: I computes the
+gradients of the stage's inputs (which the previous stage is waiting for) and
+W, later, the gradients of its weights. Like JaxPP, we split by dataflow, not
+with autograd hooks: the stage's forward and backward are traced once into a
+joint graph, and its nodes are cut into three graphs
+
+    F: (params, inputs)                 -> (outputs, saved)
+    I: (params, saved_I, output grads)  -> (input grads, saved_W from I)
+    W: (params, saved_W)                -> (weight grads)
+
+where a backward node needed for an input gradient belongs to I and the rest
+to W; everything W needs from I is passed along instead of recomputed, so I
+and W together do the work of one backward. The three are plain graphs of ATen
+ops without autograd, so each can be compiled with torch.compile.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.fx.experimental.proxy_tensor import make_fx
+
+__all__: list[str] = []
+
+# make_fx patches module-level state while it traces: ranks running as
+# threads of one process (mpmd.testing) must take turns.
+_TRACE_LOCK = threading.Lock()
+
+
+def _ancestors(roots: Iterable[fx.Node]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = [r for r in roots if isinstance(r, fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _subgraph(
+    source: fx.GraphModule, part: set[fx.Node], inputs: Sequence[fx.Node], outputs: Sequence[Any]
+) -> fx.GraphModule:
+    """A GraphModule computing `outputs` from `inputs` with the nodes of `part`."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for i, node in enumerate(inputs):
+        env[node] = graph.placeholder(f"in{i}_{node.name}")
+        env[node].meta = dict(node.meta)
+
+    def lookup(n: fx.Node) -> fx.Node:
+        if n not in env:
+            if n.op != "get_attr":
+                raise AssertionError(f"split: node {n.name} is needed but not available")
+            env[n] = graph.get_attr(n.target)
+        return env[n]
+
+    for node in source.graph.nodes:
+        if node in part and node.op == "call_function":
+            env[node] = graph.node_copy(node, lookup)
+    graph.output(tuple(lookup(o) if isinstance(o, fx.Node) else o for o in outputs))
+    graph.eliminate_dead_code()
+    return fx.GraphModule(source, graph)
+
+
+@dataclass
+class _Joint:
+    forward: fx.GraphModule
+    input_grad: fx.GraphModule
+    weight_grad: fx.GraphModule
+    num_outputs: int  # outputs of the stage function (sends, then the loss)
+    saved_for_input_grad: list[int]  # indices into F's saved list
+    saved_for_weight_grad: list[int]
+    tangent_outputs: list[int]  # which outputs get a tangent (those requiring grad)
+    tangent_examples: list[torch.Tensor]  # zeros of their shapes, for absent gradients
+    num_input_grads: int
+    input_grad_examples: list[torch.Tensor]  # zeros like each graded input
+    grad_params: list[int]  # indices into the stage's parameter list
+
+
+def split_joint(
+    fn: Callable[..., list[torch.Tensor]],
+    params: list[torch.Tensor],
+    inputs: list[torch.Tensor],
+    grad_inputs: list[int],
+) -> _Joint:
+    """Traces fn(params, inputs) -> outputs with its backward, and splits it.
+
+    `grad_inputs` are the positions in `inputs` whose gradients I returns.
+    Gradients go to every parameter that requires grad.
+    """
+    grad_params = [i for i, p in enumerate(params) if p.requires_grad]
+    p_ex = [p.detach().clone().requires_grad_(p.requires_grad) for p in params]
+    x_ex = [x.detach().clone().requires_grad_(i in grad_inputs) for i, x in enumerate(inputs)]
+    with torch.enable_grad():
+        probe = fn(p_ex, x_ex)
+    tangent_outputs = [i for i, o in enumerate(probe) if o.requires_grad]
+    tangents_ex = [torch.ones_like(probe[i]) for i in tangent_outputs]
+
+    def joint(ps: list[torch.Tensor], xs: list[torch.Tensor], ts: list[torch.Tensor]):
+        outs = fn(ps, xs)
+        wrt = [xs[i] for i in grad_inputs] + [ps[i] for i in grad_params]
+        roots = [outs[i] for i in tangent_outputs]
+        grads = (
+            torch.autograd.grad(roots, wrt, ts, allow_unused=True)
+            if roots and wrt
+            else [None] * len(wrt)
+        )
+        return list(outs), list(grads)
+
+    with _TRACE_LOCK, torch.enable_grad():
+        gm = make_fx(joint)(p_ex, x_ex, tangents_ex)
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    n_p, n_x = len(params), len(inputs)
+    p_nodes = placeholders[:n_p]
+    x_nodes = placeholders[n_p : n_p + n_x]
+    t_nodes = placeholders[n_p + n_x :]
+    out_nodes = pytree.tree_leaves(gm.graph.output_node().args[0], is_leaf=lambda v: v is None)
+    n_out = len(probe)
+    outs, grads = out_nodes[:n_out], out_nodes[n_out:]
+    grads_x, grads_p = grads[: len(grad_inputs)], grads[len(grad_inputs) :]
+
+    forward_part = {n for n in _ancestors(outs) if n.op == "call_function"}
+    backward = {n for n in gm.graph.nodes if n.op == "call_function" and n not in forward_part}
+    input_part = _ancestors(grads_x) & backward
+    weight_part = (_ancestors(grads_p) & backward) - input_part
+    # A projection of a multi-output op lives with the op, so only tensors
+    # (never tuples) cross from one graph to the next.
+    for node in gm.graph.nodes:
+        if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+            for part in (forward_part, input_part):
+                if node.args[0] in part:
+                    for other in (forward_part, input_part, weight_part):
+                        other.discard(node)
+                    part.add(node)
+
+    def used_by(part: set[fx.Node]) -> list[fx.Node]:
+        needed = []
+        for node in gm.graph.nodes:
+            if node in part:
+                for a in node.all_input_nodes:
+                    if a not in part and a not in needed:
+                        needed.append(a)
+        return needed
+
+    def outputs_outside(part_outputs: Sequence[Any], part: set[fx.Node]) -> list[fx.Node]:
+        return [o for o in part_outputs if isinstance(o, fx.Node) and o not in part]
+
+    # What I and W read from outside themselves (besides parameters).
+    i_needs = [
+        n for n in used_by(input_part) + outputs_outside(grads_x, input_part) if n not in p_nodes
+    ]
+    w_needs = [
+        n for n in used_by(weight_part) + outputs_outside(grads_p, weight_part) if n not in p_nodes
+    ]
+    from_forward = [
+        n
+        for n in dict.fromkeys(i_needs + w_needs)
+        if n.op != "get_attr" and n not in t_nodes and n not in input_part
+    ]
+    saved_i = [n for n in i_needs if n in from_forward]
+    saved_w_f = [n for n in w_needs if n in from_forward]
+    passed_i_to_w = [n for n in w_needs if n in input_part or n in t_nodes]
+
+    forward = _subgraph(gm, forward_part, p_nodes + x_nodes, [*outs, *from_forward])
+    input_grad = _subgraph(gm, input_part, p_nodes + saved_i + t_nodes, [*grads_x, *passed_i_to_w])
+    weight_grad = _subgraph(gm, weight_part, p_nodes + saved_w_f + passed_i_to_w, list(grads_p))
+    index = {n: i for i, n in enumerate(from_forward)}
+    return _Joint(
+        forward=forward,
+        input_grad=input_grad,
+        weight_grad=weight_grad,
+        num_outputs=n_out,
+        saved_for_input_grad=[index[n] for n in saved_i],
+        saved_for_weight_grad=[index[n] for n in saved_w_f],
+        tangent_outputs=tangent_outputs,
+        tangent_examples=[torch.zeros_like(t) for t in tangents_ex],
+        num_input_grads=len(grad_inputs),
+        input_grad_examples=[torch.zeros_like(inputs[i]) for i in grad_inputs],
+        grad_params=grad_params,
+    )
+
+
+class SplitStage:
+    """One stage run as F / I / W graphs (see the module docstring)."""
+
+    def __init__(
+        self,
+        module: fx.GraphModule,
+        stage_fn: Callable[[list[torch.Tensor], list[torch.Tensor]], list[torch.Tensor]],
+        example_inputs: list[torch.Tensor],
+        grad_inputs: list[int],
+        compile_options: dict[str, Any] | None,
+        loss_output: int | None = None,
+    ) -> None:
+        if any(n.target is torch.ops.aten.copy_.default for n in module.graph.nodes):
+            raise ValueError(
+                "this stage updates buffers in its forward (e.g. BatchNorm running statistics); "
+                "split backward (I/W tasks) does not support that: use full backward (B) for it"
+            )
+        self._params = [p for _, p in module.named_parameters()]
+        self._buffers = [b for _, b in module.named_buffers()]
+        n_params = len(self._params)
+
+        def fn(state: list[torch.Tensor], xs: list[torch.Tensor]) -> list[torch.Tensor]:
+            return stage_fn(state[:n_params], state[n_params:], xs)
+
+        state = self._params + self._buffers
+        self.joint = split_joint(fn, state, example_inputs, grad_inputs)
+        self._loss_output = loss_output
+        self._forward: Callable = self.joint.forward
+        self._input_grad: Callable = self.joint.input_grad
+        self._weight_grad: Callable = self.joint.weight_grad
+        if compile_options is not None:
+            self._forward = torch.compile(self._forward, **compile_options)
+            self._input_grad = torch.compile(self._input_grad, **compile_options)
+            self._weight_grad = torch.compile(self._weight_grad, **compile_options)
+
+    def _state(self) -> list[torch.Tensor]:
+        return [p.detach() for p in self._params] + list(self._buffers)
+
+    def forward(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Stage outputs, then every tensor I and W will need."""
+        return list(self._forward(*self._state(), *inputs))
+
+    def input_grad(
+        self, saved: Sequence[torch.Tensor], output_grads: Sequence[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Gradients of the stage inputs, and what W needs."""
+        j = self.joint
+        tangents = []
+        for i, zero in zip(j.tangent_outputs, j.tangent_examples, strict=True):
+            if i == self._loss_output:
+                tangents.append(torch.ones_like(zero))  # d(loss)/d(loss)
+            elif i < len(output_grads) and output_grads[i] is not None:
+                tangents.append(output_grads[i])
+            else:
+                tangents.append(zero)  # an output no later stage differentiates
+        result = list(
+            self._input_grad(*self._state(), *(saved[i] for i in j.saved_for_input_grad), *tangents)
+        )
+        grads = [
+            g if g is not None else zero
+            for g, zero in zip(result[: j.num_input_grads], j.input_grad_examples, strict=True)
+        ]
+        passed = result[j.num_input_grads :]
+        return grads, [saved[i] for i in j.saved_for_weight_grad] + passed
+
+    def weight_grad(self, saved_w: Sequence[torch.Tensor]) -> None:
+        """Accumulates the weight gradients into the parameters' .grad."""
+        grads = self._weight_grad(*self._state(), *saved_w)
+        for i, g in zip(self.joint.grad_params, grads, strict=True):
+            if g is None:
+                continue
+            p = self._params[i]
+            if p.grad is None:
+                p.grad = g.detach().clone()
+            else:
+                p.grad.add_(g)
