@@ -126,7 +126,12 @@ void bind_runtime(py::module_ m) {
                              has_loss, split};
           }),
           py::arg("id"), py::arg("inputs"), py::arg("outputs"),
-          py::arg("has_loss"), py::arg("split") = false);
+          py::arg("has_loss"), py::arg("split") = false)
+      .def_readonly("id", &StageInfo::id)
+      .def_readonly("inputs", &StageInfo::inputs)
+      .def_readonly("outputs", &StageInfo::outputs)
+      .def_readonly("has_loss", &StageInfo::has_loss)
+      .def_readonly("split", &StageInfo::split);
 
   py::class_<Executor>(m, "Executor")
       .def(py::init(
