@@ -10,7 +10,7 @@ PYTHON="${PYTHON:-python3.11}"
 command -v "$PYTHON" >/dev/null || PYTHON=python3
 
 need_apt=()
-for pkg in cmake g++ libgtest-dev libgmock-dev clang-format; do
+for pkg in cmake g++ libgtest-dev libgmock-dev clang-format clang; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then

@@ -11,6 +11,13 @@ cmake -S . -B build/cpp -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build build/cpp
 ctest --test-dir build/cpp --output-on-failure --timeout 60
 
+echo "== fuzzing the schedule validator (libFuzzer, 20 s)"
+cmake -S . -B build/fuzz -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DTORCHMPMD_FUZZ=ON \
+  -DTORCHMPMD_BUILD_TESTS=OFF >/dev/null
+cmake --build build/fuzz
+mkdir -p build/fuzz/corpus
+build/fuzz/fuzz_lower -max_total_time=20 -print_final_stats=1 build/fuzz/corpus 2>&1 | tail -3
+
 echo "== lint"
 ruff check .
 ruff format --check .

@@ -88,6 +88,26 @@ class UNet(nn.Module):
         return self.dec1(d2)
 
 
+class DeepUNet(nn.Module):
+    """Eight layers, each encoder layer's output skipping to its mirror in the
+    decoder: split one layer per stage, the outermost skip crosses every
+    boundary."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.enc = nn.ModuleList(nn.Linear(dim, dim) for _ in range(4))
+        self.dec = nn.ModuleList(nn.Linear(2 * dim, dim) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skips = []
+        for layer in self.enc:
+            x = torch.tanh(layer(x))
+            skips.append(x)
+        for layer, skip in zip(self.dec, reversed(skips), strict=True):
+            x = torch.tanh(layer(torch.cat([x, skip], dim=-1)))
+        return x
+
+
 class KwargsModel(nn.Module):
     """Takes keyword arguments, an optional tensor and non-tensor flags."""
 
@@ -220,6 +240,31 @@ def _kwargs_inputs(b: int) -> tuple[tuple, dict]:
     )
 
 
+def split_gpt(num_stages: int) -> dict[str, list[str]]:
+    """TinyGPT (4 blocks) cut into 2, 4 or 8 stages (8: attention and MLP apart)."""
+    points = {
+        2: ["blocks.2"],
+        4: ["blocks.1", "blocks.2", "blocks.3"],
+        8: [
+            "blocks.0.mlp",
+            "blocks.1",
+            "blocks.1.mlp",
+            "blocks.2",
+            "blocks.2.mlp",
+            "blocks.3",
+            "blocks.3.mlp",
+        ],
+    }[num_stages]
+    return {"split_before": points}
+
+
+def split_deep_unet(num_stages: int) -> dict[str, list[str]]:
+    """DeepUNet cut into 2, 4 or 8 stages of consecutive layers."""
+    layers = [f"enc.{i}" for i in range(4)] + [f"dec.{i}" for i in range(4)]
+    per = 8 // num_stages
+    return {"split_before": layers[per::per]}
+
+
 CASES = {
     c.name: c
     for c in [
@@ -247,6 +292,14 @@ CASES = {
             {"split_before": ["enc2", "bottleneck", "up"]},
             target=lambda b: torch.randn(b, 1, 8, 8, generator=_gen(b + 1000)),
             num_stages=4,
+        ),
+        Case(
+            "deep_unet",
+            lambda: DeepUNet(),
+            _float(8),
+            split_deep_unet(8),
+            target=lambda b: torch.randn(b, 8, generator=_gen(b + 1000)),
+            num_stages=8,
         ),
         Case(
             "kwargs",
@@ -316,4 +369,11 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, exact:
         torch.testing.assert_close(actual, expected, rtol=tol, atol=tol, msg=what)
 
 
-__all__ = ["CASES", "Case", "assert_close", "skip_distance"]
+__all__ = [
+    "CASES",
+    "Case",
+    "assert_close",
+    "skip_distance",
+    "split_deep_unet",
+    "split_gpt",
+]

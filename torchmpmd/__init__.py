@@ -1,15 +1,15 @@
 """torchmpmd: MPMD pipeline parallelism for PyTorch.
 
 pipe = mpmd.trace(model, example_args, split_before=["layers.4"])
-print(pipe)                      # stages, transfers, tied parameters
+print(pipe)                                  # stages, transfers, tied parameters
+runner = mpmd.PipelineRunner(pipe, mpmd.schedules.OneFOneB(8), loss_fn=loss_fn)
+out = runner.step(batch, target=labels)      # on every rank, under torchrun
 """
 
 import torch  # noqa: F401  (loads libtorch before the native core)
 
-from . import (
-    _C,
-    schedules,
-)
+from . import _C, schedules, viz
+from ._costs import Costs
 from ._frontend import trace
 from ._markers import mark_stage_end
 from ._pipe import Pipe
@@ -23,6 +23,7 @@ PipelineError = _C.runtime.PipelineError
 PipelineError.__module__ = "torchmpmd"
 
 __all__ = [
+    "Costs",
     "Pipe",
     "PipelineError",
     "PipelineRunner",
@@ -36,6 +37,7 @@ __all__ = [
     "mark_stage_end",
     "schedules",
     "trace",
+    "viz",
 ]
 
 __version__ = "0.1.0"

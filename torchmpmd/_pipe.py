@@ -118,6 +118,23 @@ class Pipe:
         clone.tied_parameters = {node: memo[id(p)] for node, p in self.tied_parameters.items()}
         return clone
 
+    def activation_bytes(self) -> list[int]:
+        """Per stage, a rough bound on the bytes one microbatch's forward keeps
+        for the backward: every floating-point intermediate it computes."""
+        out = []
+        for gm in self._stages:
+            total = 0
+            for n in gm.graph.nodes:
+                val = n.meta.get("val")
+                if (
+                    n.op == "call_function"
+                    and isinstance(val, torch.Tensor)
+                    and val.is_floating_point()
+                ):
+                    total += val.numel() * val.element_size()
+            out.append(total)
+        return out
+
     def plan_tied_stages(self, node: int) -> tuple[int, ...]:
         return self._tied_stages[node]
 
@@ -174,6 +191,8 @@ class Pipe:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat = self.flatten_inputs(args, kwargs)
+        # Contiguous, like the traced example: the graphs may view their inputs.
+        flat = [v.contiguous() if isinstance(v, torch.Tensor) else v for v in flat]
         env = {n: v for n, v in zip(self.input_node_names, flat, strict=True) if n is not None}
         for gm, spec in zip(self._stages, self.stage_specs, strict=True):
             outputs = gm(*(env[n] for n in spec.input_names))

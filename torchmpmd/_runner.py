@@ -207,7 +207,7 @@ class PipelineRunner:
         ):
             if isinstance(value, torch.Tensor):
                 dim = self._chunk_dims.get(name, 0)
-                pieces = [value] * m if dim is None else _chunk(value, m, dim, name)
+                pieces = [value.contiguous()] * m if dim is None else _chunk(value, m, dim, name)
                 for i, piece in enumerate(pieces):
                     _check_microbatch(name, expected, piece, i)
                 columns.append(pieces)
@@ -534,7 +534,8 @@ def _chunk(value: torch.Tensor, m: int, dim: int, name: str) -> list[torch.Tenso
             f"{m} equal microbatches; pass a batch that is a multiple of num_microbatches, or "
             f"chunk_dims={{'{name}': ...}} to split along another dimension (None: replicate)"
         )
-    return list(torch.chunk(value, m, dim))
+    # Contiguous, like the traced example: graphs may view their inputs.
+    return [piece.contiguous() for piece in torch.chunk(value, m, dim)]
 
 
 def _check_microbatch(name: str, expected: Any, piece: torch.Tensor, i: int) -> None:

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from . import _C
+from ._costs import Costs, timeline_from_native
 from ._pipe import Pipe
+from ._timeline import Timeline
 
 __all__ = ["Program", "Schedule", "Task", "compile_schedule"]
 
@@ -181,6 +183,14 @@ class Program:
         """The whole program of `rank`, tasks and messages, as text."""
         return [repr(i) for i in self._native.ranks[rank]]
 
+    def simulate(self, costs: Costs | None = None) -> Timeline:
+        """Predicts the step: when each task runs on each rank, step time, bubble
+        fraction and peak activation memory per rank (see `Costs`)."""
+        costs = costs if costs is not None else Costs()
+        acts = self.pipe.activation_bytes() if self.pipe is not None else None
+        native = _C.schedule.simulate(self._native, costs.native(self.num_stages, acts))
+        return timeline_from_native(native, costs.unit)
+
     def grid(self) -> str:
         """One line per rank in action format ('0F0 0F1 0B0 ...')."""
         return _C.schedule.render_grid(self._native.spec, [])
@@ -199,12 +209,14 @@ def compile_schedule(
     num_ranks: int,
     *,
     forward_only: bool = False,
+    costs: Costs | None = None,
 ) -> Program:
     """Lowers `schedule` for `pipe` (or a chain of that many stages) on `num_ranks` ranks.
 
     Raises ValueError naming the offending tasks, with a per-rank grid, when
     the schedule is incomplete, misplaced, out of dependency order or would
-    deadlock.
+    deadlock. `costs` (default: uniform) only decide the order in which the
+    lowering interleaves messages of different rank pairs.
     """
     if not isinstance(schedule, Schedule):
         raise TypeError(f"expected an mpmd.Schedule, got {type(schedule).__name__}")
@@ -212,6 +224,6 @@ def compile_schedule(
         raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
     graph = _graph_of(pipe)
     spec = _spec(schedule, graph.num_stages, num_ranks, forward_only)
-    costs = _C.schedule.Costs.uniform(graph.num_stages)
-    native = _C.schedule.lower(graph, spec, costs)
+    native_costs = (costs or Costs()).native(graph.num_stages)
+    native = _C.schedule.lower(graph, spec, native_costs)
     return Program(native, schedule, pipe if isinstance(pipe, Pipe) else None)

@@ -64,7 +64,13 @@ Task parse_action(const std::string& text) {
   task.stage = number();
   MPMD_CHECK(i < text.size(), "schedule: cannot read action '", text,
              "': expected <stage><F|B|I|W><microbatch>, e.g. '2F5'");
-  task.kind = kind_from_letter(text[i++]);
+  const char letter = text[i++];
+  MPMD_CHECK(std::string("FBIW").find(letter) != std::string::npos,
+             "schedule: cannot read action '", text, "': unknown task kind '",
+             letter,
+             "'; use F (forward), B (backward), I (input grad) or W (weight "
+             "grad)");
+  task.kind = kind_from_letter(letter);
   task.microbatch = number();
   MPMD_CHECK(i == text.size(), "schedule: cannot read action '", text,
              "': unexpected characters after the microbatch");
