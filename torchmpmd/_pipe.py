@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,12 +150,7 @@ class Pipe:
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """Every parameter once, under its name in the original model."""
-        seen: set[int] = set()
-        for gm in self._stages:
-            for name, p in gm.named_parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield name, p
+        return unique_named_parameters(self._stages)
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         for _, p in self.named_parameters():
@@ -244,6 +239,18 @@ class Pipe:
                 table("Tied parameters", ["parameter", "names", "stages"], tied_rows),
             ]
         )
+
+
+def unique_named_parameters(
+    modules: Iterable[torch.nn.Module],
+) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """Each parameter of the modules once (a tied one under its first name)."""
+    seen: set[int] = set()
+    for module in modules:
+        for name, p in module.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield name, p
 
 
 def check_input(name: str, expected: Any, value: Any) -> None:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from . import _C
-from ._pipe import Pipe, check_input
+from ._pipe import Pipe, check_input, unique_named_parameters
 from ._schedule import Program, Schedule, compile_schedule
 from ._split import SplitStage
 from ._timeline import Timeline, from_records
@@ -121,10 +121,14 @@ class PipelineRunner:
         self._compile = None if compile is False else ({} if compile is True else dict(compile))
         self._split_stages = self._choose_split(split_backward)
         self._split_graphs: dict[int, SplitStage] = {}
-        if self._compile is not None:
-            for s in self.local_stages:
-                if s not in self._split_stages:
-                    self._modules[s] = torch.compile(self._modules[s], **self._compile)
+        # What forward calls: the stage's GraphModule, or its compiled form
+        # (the module itself keeps the parameters under the model's names).
+        self._stage_fns: dict[int, Callable] = {
+            s: torch.compile(m, **self._compile)
+            if self._compile is not None and s not in self._split_stages
+            else m
+            for s, m in self._modules.items()
+        }
         self._stage_infos = [
             _C.runtime.StageInfo(
                 s,
@@ -241,7 +245,7 @@ class PipelineRunner:
     def _forward(self, stage: int, mb: int, received: list[torch.Tensor]) -> list[torch.Tensor]:
         if stage in self._split_graphs:
             return self._split_forward(stage, mb, received)
-        outs = self._modules[stage](*self._stage_inputs(stage, mb), *received)
+        outs = self._stage_fns[stage](*self._stage_inputs(stage, mb), *received)
         spec = self._pipe.stage_specs[stage]
         sends = list(outs[: spec.num_sends])
         if stage != self._last:
@@ -356,7 +360,7 @@ class PipelineRunner:
     def _eval_forward(
         self, stage: int, mb: int, received: list[torch.Tensor]
     ) -> list[torch.Tensor]:
-        outs = self._modules[stage](*self._stage_inputs(stage, mb), *received)
+        outs = self._stage_fns[stage](*self._stage_inputs(stage, mb), *received)
         spec = self._pipe.stage_specs[stage]
         if stage == self._last:
             self._eval_outputs[mb] = list(outs[spec.num_sends :])
@@ -422,12 +426,7 @@ class PipelineRunner:
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """This rank's parameters, once each, under their names in the model."""
-        seen: set[int] = set()
-        for s in self.local_stages:
-            for name, p in self._modules[s].named_parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield name, p
+        return unique_named_parameters(self._modules[s] for s in self.local_stages)
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         for _, p in self.named_parameters():
