@@ -68,10 +68,9 @@ def valid_schedules(draw, num_stages, edges):
     the task dependency graph, projected onto the ranks."""
     ranks = draw(st.integers(1, min(3, num_stages)))
     placement = draw(st.lists(st.integers(0, ranks - 1), min_size=num_stages, max_size=num_stages))
-    placement = [r % ranks for r in placement]
-    for r in range(ranks):  # every rank holds at least one stage
-        if r not in placement:
-            placement[r] = r
+    # Every rank holds at least one stage: give each rank a distinct stage.
+    for r, s in enumerate(draw(st.permutations(range(num_stages)))[:ranks]):
+        placement[s] = r
     m = draw(st.integers(1, 3))
     split = {(s, mb): draw(st.booleans()) for s in range(num_stages) for mb in range(m)}
     pending = []
