@@ -34,7 +34,17 @@ if ! python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '
   python -m pip install -q "torch==$TORCH_VERSION" 2>&1 | grep -v "is ignored" || true
 fi
 python -m pip install -q -r requirements-test.txt 2>&1 | grep -v "is ignored" || true
-echo "setup: building torchmpmd"
-MAX_JOBS="${MAX_JOBS:-2}" python -m pip install -q --no-build-isolation --no-deps -e . 2>&1 \
-  | grep -v "is ignored" || true
+# Rebuild the extension only when its sources or build files changed.
+stamp=.venv/.torchmpmd-build
+digest=$(cat setup.py pyproject.toml $(find csrc -type f | sort) | sha1sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$digest" ] || ! python -c "import torchmpmd" 2>/dev/null; then
+  echo "setup: building torchmpmd (log: .venv/build.log)"
+  if ! MAX_JOBS="${MAX_JOBS:-2}" python -m pip install --no-build-isolation --no-deps -e . \
+    >.venv/build.log 2>&1; then
+    grep -v "is ignored" .venv/build.log | tail -40
+    echo "setup: building torchmpmd failed" >&2
+    exit 1
+  fi
+  echo "$digest" >"$stamp"
+fi
 python -c "import torchmpmd; print('setup: torchmpmd', torchmpmd.__version__, 'with torch', __import__('torch').__version__)"
