@@ -131,23 +131,7 @@ Executor::Executor(int32_t rank, const schedule::Program& program,
     if (ins.op != Op::kRecv) continue;
     // The first compute (or reduce) after the receive that reads it.
     for (size_t j = i + 1; j < code_.size(); ++j) {
-      const Instruction& user = code_[j];
-      bool reads = false;
-      if (user.op == Op::kCompute && user.task.microbatch == ins.microbatch) {
-        const Task& t = user.task;
-        if (ins.payload == Payload::kActivation) {
-          reads = t.kind == TaskKind::kForward &&
-                  std::find(ins.stages.begin(), ins.stages.end(), t.stage) !=
-                      ins.stages.end();
-        } else if (ins.payload == Payload::kGrad) {
-          reads = (t.kind == TaskKind::kBackward ||
-                   t.kind == TaskKind::kInputGrad) &&
-                  t.stage == ins.src_stage;
-        }
-      } else if (user.op == Op::kReduceTied) {
-        reads = ins.payload == Payload::kTiedGrad && user.value == ins.value;
-      }
-      if (reads) {
+      if (schedule::reads(code_[j], ins)) {
         needs_[j].push_back(i);
         break;
       }

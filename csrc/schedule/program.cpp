@@ -366,6 +366,30 @@ std::string to_string(const Instruction& ins) {
   return "?";
 }
 
+bool reads(const Instruction& user, const Instruction& recv) {
+  if (recv.op != Op::kRecv) return false;
+  if (user.op == Op::kReduceTied) {
+    return recv.payload == Payload::kTiedGrad && recv.value == user.value;
+  }
+  if (user.op != Op::kCompute || recv.microbatch != user.task.microbatch) {
+    return false;
+  }
+  const Task& t = user.task;
+  switch (recv.payload) {
+    case Payload::kActivation:
+      return t.kind == TaskKind::kForward &&
+             std::find(recv.stages.begin(), recv.stages.end(), t.stage) !=
+                 recv.stages.end();
+    case Payload::kGrad:
+      return (t.kind == TaskKind::kBackward ||
+              t.kind == TaskKind::kInputGrad) &&
+             recv.src_stage == t.stage;
+    case Payload::kTiedGrad:
+      break;
+  }
+  return false;
+}
+
 // --------------------------------------------------------------------------
 // Validation
 

@@ -118,6 +118,12 @@ struct Instruction {
 
 std::string to_string(const Instruction& ins);
 
+// Whether `user` (a compute or reduce instruction of a rank) reads what the
+// receive `recv` of the same rank delivers: an activation read by the
+// forward of a consumer stage, a gradient by the backward (B or I) of the
+// producing stage, a tied gradient by the reduce of that parameter.
+bool reads(const Instruction& user, const Instruction& recv);
+
 struct Program {
   ScheduleSpec spec;
   PipelineGraph graph;

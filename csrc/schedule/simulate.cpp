@@ -37,28 +37,6 @@ double Timeline::bubble_fraction() const {
   return 1.0 - busy / (step * num_ranks);
 }
 
-namespace {
-
-// The receives (by instruction index) that `task` needs on its rank.
-bool needs(const Instruction& recv, const Task& task) {
-  if (recv.microbatch != task.microbatch) return false;
-  switch (recv.payload) {
-    case Payload::kActivation:
-      return task.kind == TaskKind::kForward &&
-             std::find(recv.stages.begin(), recv.stages.end(), task.stage) !=
-                 recv.stages.end();
-    case Payload::kGrad:
-      return (task.kind == TaskKind::kBackward ||
-              task.kind == TaskKind::kInputGrad) &&
-             recv.src_stage == task.stage;
-    case Payload::kTiedGrad:
-      return false;
-  }
-  return false;
-}
-
-}  // namespace
-
 Timeline simulate(const Program& program, const Costs& costs) {
   costs.check(program.num_stages());
   const int32_t R = program.num_ranks();
@@ -96,11 +74,7 @@ Timeline simulate(const Program& program, const Costs& costs) {
       if (ins.op == Op::kCompute || ins.op == Op::kReduceTied) {
         for (const size_t i : posted[r]) {
           const Instruction& recv = program.ranks[r][i];
-          const bool wanted = ins.op == Op::kCompute
-                                  ? needs(recv, ins.task)
-                                  : recv.payload == Payload::kTiedGrad &&
-                                        recv.value == ins.value;
-          if (!wanted) continue;
+          if (!reads(ins, recv)) continue;
           double at = 0;
           if (!recv_arrival(r, recv, &at)) {
             ok = false;
@@ -157,16 +131,11 @@ Timeline simulate(const Program& program, const Costs& costs) {
         }
         // Consumed receives are no longer pending.
         auto& pend = posted[r];
-        pend.erase(
-            std::remove_if(pend.begin(), pend.end(),
-                           [&](size_t j) {
-                             const Instruction& recv = program.ranks[r][j];
-                             return ins.op == Op::kCompute
-                                        ? needs(recv, ins.task)
-                                        : recv.payload == Payload::kTiedGrad &&
-                                              recv.value == ins.value;
-                           }),
-            pend.end());
+        pend.erase(std::remove_if(pend.begin(), pend.end(),
+                                  [&](size_t j) {
+                                    return reads(ins, program.ranks[r][j]);
+                                  }),
+                   pend.end());
         if (ins.op == Op::kReduceTied) {
           clock[r] = best_time;
           break;
