@@ -482,13 +482,9 @@ class PipelineRunner:
     # ---- collectives on the result
 
     def _measured(self, executor: Any) -> Timeline:
-        tl = from_records(self._rank, self._num_ranks, executor.records())
-        shift = executor.step_start_unix_ns / 1e9
-        tl.events = [
-            type(e)(e.rank, e.kind, e.stage, e.microbatch, e.start + shift, e.end + shift)
-            for e in tl.events
-        ]
-        return tl
+        return from_records(
+            self._rank, self._num_ranks, executor.records(), executor.step_start_unix_ns
+        )
 
     def _share_from_loss_rank(self, tensor: torch.Tensor) -> None:
         if self._group is not None:

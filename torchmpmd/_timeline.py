@@ -123,11 +123,17 @@ class Timeline:
 
 
 def from_records(
-    rank: int, num_ranks: int, records: Sequence[tuple[str, int, int, int, int, int]]
+    rank: int,
+    num_ranks: int,
+    records: Sequence[tuple[str, int, int, int, int, int]],
+    step_start_unix_ns: int = 0,
 ) -> Timeline:
-    """A measured timeline of one rank from the executor's task records."""
+    """A measured timeline of one rank from the executor's task records
+    (nanoseconds since the step started), in seconds since the Unix epoch so
+    that timelines of different ranks line up."""
+    origin = step_start_unix_ns / 1e9
     events = [
-        TimelineEvent(rank, kind, stage, mb, start / 1e9, end / 1e9)
+        TimelineEvent(rank, kind, stage, mb, origin + start / 1e9, origin + end / 1e9)
         for kind, stage, mb, start, end, _waited in records
     ]
     return Timeline(num_ranks, events, "measured", "s")
