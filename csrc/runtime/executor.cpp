@@ -112,9 +112,12 @@ Executor::Executor(int32_t rank, const schedule::Program& program,
     }
   }
 
-  // Local readers of each value: consumer stages on this rank.
+  // Local readers of each value (consumer stages on this rank), and where
+  // each value is produced.
   std::map<int32_t, int32_t> local_consumers;
+  std::map<int32_t, int32_t> producer;
   for (const auto& e : program_.graph.edges) {
+    producer[e.value] = e.src;
     if (program_.rank_of(e.dst) == rank_) ++local_consumers[e.value];
   }
   needs_.resize(code_.size());
@@ -138,13 +141,7 @@ Executor::Executor(int32_t rank, const schedule::Program& program,
     }
   }
   for (const auto& [v, n] : local_consumers) {
-    const int32_t producer = [&] {
-      for (const auto& e : program_.graph.edges) {
-        if (e.value == v) return e.src;
-      }
-      return -1;
-    }();
-    if (program_.rank_of(producer) == rank_) {
+    if (program_.rank_of(producer.at(v)) == rank_) {
       activation_uses_[v] += n;
       grad_parts_expected_[v] += n;
     }
