@@ -381,6 +381,8 @@ class _GraphBuilder:
         self.program = program
         self.graph = program.graph_module.graph
         self.signature = program.graph_signature
+        # Placeholder name -> its input spec (kind, FQN of a parameter/buffer).
+        self.input_specs = {spec.arg.name: spec for spec in self.signature.input_specs}
         self.nodes: list[fx.Node] = []
         self.ids: dict[fx.Node, int] = {}
         self.in_spec = program.call_spec.in_spec
@@ -420,7 +422,7 @@ class _GraphBuilder:
     # ---- serialisation
 
     def serialise(self) -> _C.graph.StageGraph:
-        kinds = {s.arg.name: s for s in self.signature.input_specs}
+        kinds = self.input_specs
         self.state = self._parameter_owner()
         g = _C.graph.StageGraph()
         for node in self.graph.nodes:
@@ -564,7 +566,7 @@ class _GraphBuilder:
         )
 
     def _fqn(self, node: fx.Node) -> str:
-        return next(s.target for s in self.signature.input_specs if s.arg.name == node.name)
+        return self.input_specs[node.name].target
 
     def _build_stage(
         self, plan: _C.graph.StagePlan, s: int, aliases: dict[str, list[str]]
