@@ -6,7 +6,6 @@ import csv
 import io
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from . import _C
 from ._costs import Costs, timeline_from_native
@@ -15,8 +14,9 @@ from ._timeline import Timeline
 
 __all__ = ["Program", "Schedule", "Task", "compile_schedule"]
 
-Kind = Literal["F", "B", "I", "W"]
-_KINDS = ("F", "B", "I", "W")
+Kind = str
+# The task kinds the native core defines (its task-kind table), by letter.
+_KINDS = tuple(_C.schedule.TaskKind.__members__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +30,7 @@ class Task:
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
-            raise ValueError(f"Task kind must be one of F, B, I, W; got {self.kind!r}")
+            raise ValueError(f"Task kind must be one of {', '.join(_KINDS)}; got {self.kind!r}")
 
     def __str__(self) -> str:
         """torch.distributed.pipelining's action format: '2F5'."""

@@ -13,7 +13,7 @@ __all__ = ["Timeline", "TimelineEvent"]
 @dataclass(frozen=True, slots=True)
 class TimelineEvent:
     rank: int
-    kind: str  # "F", "B", "I", "W" for tasks; "transfer" or "wait" otherwise
+    kind: str  # a task kind's letter ("F", "B", ...); "transfer" or "wait" otherwise
     stage: int
     microbatch: int
     start: float  # seconds (measured) or cost units (simulated)
@@ -26,7 +26,7 @@ class TimelineEvent:
 
     @property
     def is_task(self) -> bool:
-        return self.kind in ("F", "B", "I", "W")
+        return self.kind not in ("transfer", "wait")
 
 
 @dataclass(slots=True)

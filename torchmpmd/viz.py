@@ -11,6 +11,7 @@ from ._timeline import Timeline
 __all__ = ["plot"]
 
 _COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#C44E52"}
+_OTHER = "#8172B3"  # any other task kind
 
 
 def plot(
@@ -54,7 +55,7 @@ def plot(
                 width,
                 left=x0,
                 height=0.8,
-                color=_COLORS.get(e.kind, "#999999"),
+                color=_COLORS.get(e.kind, _OTHER),
                 edgecolor="white",
                 linewidth=0.5,
             )
@@ -75,9 +76,13 @@ def plot(
         ax.invert_yaxis()
         ax.set_xlim(0, span * 1.01)
         ax.set_xlabel(unit)
-    kinds = sorted({e.kind for t in timelines for e in t.tasks}, key="FBIW".index)
+    order = list(_COLORS)
+    kinds = sorted(
+        {e.kind for t in timelines for e in t.tasks},
+        key=lambda k: (order.index(k) if k in order else len(order), k),
+    )
     fig.legend(
-        handles=[Patch(color=_COLORS[k], label=k) for k in kinds],
+        handles=[Patch(color=_COLORS.get(k, _OTHER), label=k) for k in kinds],
         loc="upper right",
         ncol=len(kinds),
         fontsize=8,
