@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from gpt import GPT, GPTConfig
 
 import torchmpmd as mpmd
-from torchmpmd._split import SplitStage
+from torchmpmd.graph.split import SplitStage
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs everything (scripts/setup.sh) and runs every check: the torch-free
-# C++ tests (ctest), the linters, and the Python test suite.
+# C++ tests (ctest), the linters, the type checker and the Python test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -18,9 +18,10 @@ cmake --build build/fuzz
 mkdir -p build/fuzz/corpus
 build/fuzz/fuzz_lower -max_total_time=20 -print_final_stats=1 build/fuzz/corpus 2>&1 | tail -3
 
-echo "== lint"
+echo "== lint and type check"
 ruff check .
 ruff format --check .
+mypy  # strict, over torchmpmd/ and the native core's stub (pyproject.toml)
 find csrc tests/cpp \( -name '*.cpp' -o -name '*.h' \) -print0 | xargs -0 clang-format --dry-run -Werror
 
 echo "== Python tests"

@@ -1,5 +1,11 @@
 # Type stub for the private native core. Use the torchmpmd package instead.
+# Its submodules are written as classes; every binding of csrc/bindings is
+# here, so the type checker (mypy, in CI) sees no Any cross the boundary.
+from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
+
+import torch
+from torch.distributed import ProcessGroup
 
 class Error(ValueError): ...
 
@@ -86,3 +92,220 @@ class graph:
 
     @staticmethod
     def partition(graph: graph.StageGraph, spec: graph.SplitSpec) -> graph.StagePlan: ...
+
+class schedule:
+    class TaskKind(Enum):
+        F = ...
+        B = ...
+        I = ...
+        W = ...
+
+    class Task:
+        kind: schedule.TaskKind
+        stage: int
+        microbatch: int
+        def __init__(self, kind: schedule.TaskKind, stage: int, microbatch: int) -> None: ...
+
+    @staticmethod
+    def to_action(task: schedule.Task) -> str: ...
+    @staticmethod
+    def parse_action(text: str) -> schedule.Task: ...
+
+    class Edge:
+        value: int
+        src: int
+        dst: int
+        bytes: int
+        requires_grad: bool
+        def __init__(
+            self, value: int, src: int, dst: int, bytes: int, requires_grad: bool
+        ) -> None: ...
+
+    class TiedGroup:
+        id: int
+        stages: list[int]
+        bytes: int
+        def __init__(self, id: int, stages: Sequence[int], bytes: int) -> None: ...
+
+    class PipelineGraph:
+        num_stages: int
+        edges: list[schedule.Edge]
+        tied: list[schedule.TiedGroup]
+        def __init__(
+            self,
+            num_stages: int,
+            edges: Sequence[schedule.Edge],
+            tied: Sequence[schedule.TiedGroup],
+        ) -> None: ...
+        @staticmethod
+        def from_plan(plan: graph.StagePlan) -> schedule.PipelineGraph: ...
+        @staticmethod
+        def chain(num_stages: int, bytes: int = 1) -> schedule.PipelineGraph: ...
+
+    class ScheduleSpec:
+        num_ranks: int
+        num_microbatches: int
+        placement: list[int]
+        tasks: list[list[schedule.Task]]
+        forward_only: bool
+        def __init__(
+            self,
+            num_ranks: int,
+            num_microbatches: int,
+            placement: Sequence[int],
+            tasks: Sequence[Sequence[schedule.Task]],
+            forward_only: bool = False,
+        ) -> None: ...
+
+    class Costs:
+        forward: list[float]
+        backward: list[float]
+        input_grad: list[float]
+        weight_grad: list[float]
+        activation_bytes: list[int]
+        weight_grad_bytes: list[int]
+        latency: float
+        bytes_per_unit: float
+        overlap_comm: bool
+        def __init__(self) -> None: ...
+        @staticmethod
+        def uniform(
+            num_stages: int,
+            forward: float = 1.0,
+            backward: float = 2.0,
+            input_grad: float = 1.0,
+            weight_grad: float = 1.0,
+        ) -> schedule.Costs: ...
+
+    class Op(Enum):
+        compute = ...
+        send = ...
+        recv = ...
+        reduce_tied = ...
+
+    class Payload(Enum):
+        activation = ...
+        grad = ...
+        tied_grad = ...
+
+    class Instruction:
+        op: schedule.Op
+        task: schedule.Task
+        payload: schedule.Payload
+        peer: int
+        value: int
+        microbatch: int
+        src_stage: int
+        stages: list[int]
+        bytes: int
+        tag: int
+
+    class Program:
+        spec: schedule.ScheduleSpec
+        graph: schedule.PipelineGraph
+        ranks: list[list[schedule.Instruction]]
+        order: list[tuple[int, int]]
+        num_ranks: int
+        num_stages: int
+
+    class EventKind(Enum):
+        compute = ...
+        transfer = ...
+        wait = ...
+
+    class Event:
+        kind: schedule.EventKind
+        rank: int
+        task: schedule.Task
+        peer: int
+        label: str
+        start: float
+        end: float
+
+    class Timeline:
+        num_ranks: int
+        events: list[schedule.Event]
+        peak_activation_bytes: list[int]
+
+    @staticmethod
+    def validate(graph: schedule.PipelineGraph, spec: schedule.ScheduleSpec) -> None: ...
+    @staticmethod
+    def lower(
+        graph: schedule.PipelineGraph, spec: schedule.ScheduleSpec, costs: schedule.Costs
+    ) -> schedule.Program: ...
+    @staticmethod
+    def simulate(program: schedule.Program, costs: schedule.Costs) -> schedule.Timeline: ...
+    @staticmethod
+    def render_grid(spec: schedule.ScheduleSpec, marks: Sequence[tuple[int, int]]) -> str: ...
+
+class runtime:
+    class PipelineError(RuntimeError): ...
+    class TransportError(RuntimeError): ...
+
+    class Transport:
+        rank: int
+        size: int
+        name: str
+        def send(self, tensor: torch.Tensor, peer: int, tag: int, timeout_s: float) -> None: ...
+        def recv(self, tensor: torch.Tensor, peer: int, tag: int, timeout_s: float) -> None: ...
+
+    class C10dTransport(Transport):
+        def __init__(self, group: ProcessGroup) -> None: ...
+
+    class LocalWorld:
+        size: int
+        def __init__(self, size: int) -> None: ...
+        def transport(self, rank: int) -> runtime.Transport: ...
+        def kill(self, rank: int) -> None: ...
+
+    class ValueInfo:
+        def __init__(
+            self,
+            id: int,
+            name: str,
+            shape: Sequence[int],
+            dtype: torch.dtype,
+            requires_grad: bool,
+        ) -> None: ...
+
+    class StageInfo:
+        id: int
+        inputs: list[int]
+        outputs: list[int]
+        has_loss: bool
+        split: bool
+        def __init__(
+            self,
+            id: int,
+            inputs: Sequence[int],
+            outputs: Sequence[int],
+            has_loss: bool,
+            split: bool = False,
+        ) -> None: ...
+
+    class Executor:
+        rank: int
+        step_start_unix_ns: int
+        def __init__(
+            self,
+            rank: int,
+            program: schedule.Program,
+            stages: Sequence[runtime.StageInfo],
+            values: Sequence[runtime.ValueInfo],
+            transport: runtime.Transport,
+            tied: Mapping[int, torch.Tensor],
+            timeout_s: float,
+            max_early_recvs: int,
+            training: bool,
+            device: torch.device,
+        ) -> None: ...
+        def run(
+            self,
+            forward: Callable[[int, int, list[torch.Tensor]], list[torch.Tensor]],
+            input_grad: Callable[
+                [int, int, list[torch.Tensor], list[torch.Tensor | None]], list[torch.Tensor]
+            ]
+            | None = None,
+            weight_grad: Callable[[int, int, list[torch.Tensor]], None] | None = None,
+        ) -> None: ...
+        def records(self) -> list[tuple[str, int, int, int, int, int]]: ...

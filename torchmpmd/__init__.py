@@ -4,18 +4,18 @@ pipe = mpmd.trace(model, example_args, split_before=["layers.4"])
 print(pipe)                                  # stages, transfers, tied parameters
 runner = mpmd.PipelineRunner(pipe, mpmd.schedules.OneFOneB(8), loss_fn=loss_fn)
 out = runner.step(batch, target=labels)      # on every rank, under torchrun
+
+The subpackages mirror the native layers: `graph` (tracing, the stage plan,
+`Pipe`), `schedule` (tasks, schedules, programs, costs, timelines) and
+`runtime` (the runner, transports, the in-process harness).
 """
 
 import torch  # noqa: F401  (loads libtorch before the native core)
 
 from . import _C, schedules, viz
-from ._costs import Costs
-from ._frontend import trace
-from ._markers import mark_stage_end
-from ._pipe import Pipe
-from ._runner import PipelineRunner, StepOutput
-from ._schedule import Program, Schedule, Task, compile_schedule
-from ._timeline import Timeline, TimelineEvent
+from .graph import Pipe, mark_stage_end, trace
+from .runtime import PipelineRunner, StepOutput
+from .schedule import Costs, Program, Schedule, Task, Timeline, TimelineEvent, compile_schedule
 
 # A step failed: a peer died or stalled, a task raised, or a microbatch did not
 # match the plan. The message names rank, peer, stage, microbatch and task.

@@ -137,8 +137,7 @@ void bind_runtime(py::module_ m) {
       .def(py::init(
                [](int32_t rank, const schedule::Program& program,
                   std::vector<StageInfo> stages, std::vector<ValueInfo> values,
-                  std::shared_ptr<Transport> transport, py::function fwd,
-                  py::object input_grad, py::object weight_grad,
+                  std::shared_ptr<Transport> transport,
                   std::map<int32_t, at::Tensor> tied, double timeout_s,
                   int32_t max_early_recvs, bool training, c10::Device device) {
                  ExecutorOptions options;
@@ -149,19 +148,26 @@ void bind_runtime(py::module_ m) {
                  options.device = device;
                  return std::make_unique<Executor>(
                      rank, program, std::move(stages), std::move(values),
-                     std::move(transport),
-                     wrap_functions(std::move(fwd), std::move(input_grad),
-                                    std::move(weight_grad)),
-                     std::move(tied), options);
+                     std::move(transport), std::move(tied), options);
                }),
            py::arg("rank"), py::arg("program"), py::arg("stages"),
-           py::arg("values"), py::arg("transport"), py::arg("forward"),
-           py::arg("input_grad"), py::arg("weight_grad"), py::arg("tied"),
+           py::arg("values"), py::arg("transport"), py::arg("tied"),
            py::arg("timeout_s"), py::arg("max_early_recvs"),
            py::arg("training"), py::arg("device"))
-      .def("run", &Executor::run,
-           "Runs one step; blocks (without the GIL) until it is done.",
-           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "run",
+          [](Executor& e, py::function forward, py::object input_grad,
+             py::object weight_grad) {
+            const runtime::StageFunctions fns = wrap_functions(
+                std::move(forward), std::move(input_grad),
+                std::move(weight_grad));
+            py::gil_scoped_release release;
+            e.run(fns);
+          },
+          "Runs one step with this step's stage callables; blocks (without "
+          "the GIL) until it is done.",
+          py::arg("forward"), py::arg("input_grad") = py::none(),
+          py::arg("weight_grad") = py::none())
       .def_property_readonly("rank", &Executor::rank)
       .def_property_readonly("step_start_unix_ns",
                              &Executor::step_start_unix_ns)

@@ -76,19 +76,18 @@ struct Executor::State {
   std::vector<bool> issued;
   int32_t early_outstanding = 0;
   Clock::time_point t0;
+  const StageFunctions* fns = nullptr;  // this step's stage callables
 };
 
 Executor::Executor(int32_t rank, const schedule::Program& program,
                    std::vector<StageInfo> stages, std::vector<ValueInfo> values,
                    std::shared_ptr<Transport> transport,
-                   StageFunctions functions,
                    std::map<int32_t, at::Tensor> tied_parameters,
                    ExecutorOptions options)
     : rank_(rank),
       program_(program),
       code_(program_.ranks.at(rank)),
       transport_(std::move(transport)),
-      fns_(std::move(functions)),
       tied_(std::move(tied_parameters)),
       options_(options) {
   TORCH_CHECK(transport_, "torchmpmd: rank ", rank, ": no transport");
@@ -97,13 +96,7 @@ Executor::Executor(int32_t rank, const schedule::Program& program,
               " ranks but the program was compiled for ", program_.num_ranks());
   TORCH_CHECK(transport_->rank() == rank, "torchmpmd: executor for rank ", rank,
               " got the transport of rank ", transport_->rank());
-  TORCH_CHECK(fns_.forward, "torchmpmd: no forward function");
-  for (auto& s : stages) {
-    TORCH_CHECK(!s.split || (fns_.input_grad && fns_.weight_grad),
-                "torchmpmd: stage ", s.id,
-                " is split but no input/weight gradient functions were given");
-    stages_.emplace(s.id, std::move(s));
-  }
+  for (auto& s : stages) stages_.emplace(s.id, std::move(s));
   for (auto& v : values) values_.emplace(v.id, std::move(v));
   for (int32_t s = 0; s < program_.num_stages(); ++s) {
     if (program_.rank_of(s) == rank_) {
@@ -337,7 +330,7 @@ void Executor::forward(const Task& task, State& st) {
   std::vector<at::Tensor> outs;
   {
     at::AutoGradMode grad_mode(autograd);
-    outs = fns_.forward(task.stage, mb, inputs);
+    outs = st.fns->forward(task.stage, mb, inputs);
   }
   const size_t want = si.outputs.size() + (options_.training && si.has_loss);
   if (options_.training && si.split && outs.size() >= want) {
@@ -431,7 +424,7 @@ void Executor::input_grad(const Task& task, State& st) {
     if (v.requires_grad) grads[i] = sum_grad_parts(v.id, mb, st);
   }
   std::vector<at::Tensor> result =
-      fns_.input_grad(task.stage, mb, saved, grads);
+      st.fns->input_grad(task.stage, mb, saved, grads);
   size_t k = 0;
   for (const int32_t v : si.inputs) k += value(v).requires_grad;
   if (result.size() < k) {
@@ -453,7 +446,7 @@ void Executor::weight_grad(const Task& task, State& st) {
   const State::Key key{task.stage, task.microbatch};
   auto saved = std::move(st.saved_w.at(key));
   st.saved_w.erase(key);
-  fns_.weight_grad(task.stage, task.microbatch, saved);
+  st.fns->weight_grad(task.stage, task.microbatch, saved);
 }
 
 void Executor::send(const Instruction& ins, State& st) {
@@ -544,8 +537,15 @@ void Executor::execute(size_t pc, State& st) {
            .count()});
 }
 
-void Executor::run() {
+void Executor::run(const StageFunctions& functions) {
+  TORCH_CHECK(functions.forward, "torchmpmd: no forward function");
+  for (const auto& [id, s] : stages_) {
+    TORCH_CHECK(!s.split || (functions.input_grad && functions.weight_grad),
+                "torchmpmd: stage ", id,
+                " is split but no input/weight gradient functions were given");
+  }
   State st;
+  st.fns = &functions;
   st.issued.assign(code_.size(), false);
   st.t0 = Clock::now();
   step_start_unix_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(

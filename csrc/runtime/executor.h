@@ -101,14 +101,16 @@ class Executor {
  public:
   Executor(int32_t rank, const schedule::Program& program,
            std::vector<StageInfo> stages, std::vector<ValueInfo> values,
-           std::shared_ptr<Transport> transport, StageFunctions functions,
+           std::shared_ptr<Transport> transport,
            std::map<int32_t, at::Tensor> tied_parameters,
            ExecutorOptions options);
   ~Executor();
 
-  // Runs one step. Blocks until the rank's program is done and every send
-  // it started has completed. Throws PipelineError on failure.
-  void run();
+  // Runs one step with the stage callables of that step (they carry its
+  // data: inputs, targets, where losses go). Blocks until the rank's program
+  // is done and every send it started has completed. Throws PipelineError on
+  // failure.
+  void run(const StageFunctions& functions);
 
   // The tasks of the last run, in execution order.
   const std::vector<TaskRecord>& records() const { return records_; }
@@ -142,7 +144,6 @@ class Executor {
   std::map<int32_t, StageInfo> stages_;
   std::map<int32_t, ValueInfo> values_;
   std::shared_ptr<Transport> transport_;
-  StageFunctions fns_;
   std::map<int32_t, at::Tensor> tied_;
   ExecutorOptions options_;
   // Precomputed from the program: for each compute / reduce instruction,

@@ -34,7 +34,7 @@ def dies_mid_step(rank, world, victim):
     batch = torch.randn(8, 8, dtype=torch.float64)
     runner.step(batch, target=torch.zeros(8, 8, dtype=torch.float64))  # a healthy step first
     if rank == victim:
-        module = runner._stage_fns[victim]
+        module = runner._stages._calls[victim]
 
         def crash(*args):
             crash.calls += 1
@@ -43,7 +43,7 @@ def dies_mid_step(rank, world, victim):
             return module(*args)
 
         crash.calls = 0
-        runner._stage_fns[victim] = crash
+        runner._stages._calls[victim] = crash
     start = time.monotonic()
     try:
         runner.step(batch, target=torch.zeros(8, 8, dtype=torch.float64))

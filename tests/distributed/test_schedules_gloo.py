@@ -26,7 +26,7 @@ def every_schedule(rank, world):
             out = runner.step(batch, target=target)
             check(name, out.loss, runner, m)
             done.append(
-                (name, cls.__name__, sorted(runner.local_stages), sorted(runner._split_stages))
+                (name, cls.__name__, sorted(runner.local_stages), sorted(runner._stages.split))
             )
     return done
 
@@ -59,7 +59,9 @@ def compiled(rank, world):
         check(name, out.loss, runner, m, compiled=True)
         assert not any("_orig_mod" in k for k in runner.state_dict()), "compiled names leak"
         fn = (
-            runner._split_graphs[rank]._forward if runner._split_stages else runner._stage_fns[rank]
+            runner._stages.split_graphs[rank]._forward
+            if runner._stages.split
+            else runner._stages._calls[rank]
         )
         kinds.append(type(fn).__name__)
     return kinds

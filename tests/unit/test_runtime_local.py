@@ -72,7 +72,7 @@ def test_dead_peer_fails_every_rank_with_context():
     case, pipe, batch, target = _setup("mlp")
     local = LocalPipeline(pipe, mpmd.schedules.OneFOneB(M), 4, loss_fn=case.loss, timeout=20)
     runner = local.runners[2]
-    module = runner._stage_fns[2]
+    module = runner._stages._calls[2]
 
     def dies(*args):
         if args[0].shape and dies.calls == 1:  # second microbatch of stage 2
@@ -82,7 +82,7 @@ def test_dead_peer_fails_every_rank_with_context():
         return module(*args)
 
     dies.calls = 0
-    runner._stage_fns[2] = dies
+    runner._stages._calls[2] = dies
     errors = {}
 
     def run(rank):
@@ -123,7 +123,7 @@ def test_stuck_peer_times_out_with_context():
     case, pipe, batch, target = _setup("mlp")
     local = LocalPipeline(pipe, mpmd.schedules.GPipe(M), 2, loss_fn=case.loss, timeout=1.0)
     runner = local.runners[1]
-    module = runner._stage_fns[1]
+    module = runner._stages._calls[1]
 
     def stuck(*args):
         if not stuck.slept:
@@ -133,7 +133,7 @@ def test_stuck_peer_times_out_with_context():
 
     stuck.slept = False
 
-    runner._stage_fns[1] = stuck
+    runner._stages._calls[1] = stuck
     failed_after = {}
     start = time.monotonic()
 
@@ -163,8 +163,8 @@ def test_output_unlike_the_plan_is_rejected_before_it_is_sent():
     case, pipe, batch, target = _setup("mlp")
     local = LocalPipeline(pipe, mpmd.schedules.GPipe(M), 2, loss_fn=case.loss, timeout=2.0)
     runner = local.runners[0]
-    module = runner._stage_fns[0]
-    runner._stage_fns[0] = lambda *a: tuple(o[:, :3] for o in module(*a))
+    module = runner._stages._calls[0]
+    runner._stages._calls[0] = lambda *a: tuple(o[:, :3] for o in module(*a))
     with pytest.raises(mpmd.PipelineError) as err:
         local.step(*batch, target=target)
     assert re.search(

@@ -40,7 +40,7 @@ def run_and_compare(name, schedule, ranks, num_stages):
 def test_builtin_schedule_matches_gradient_accumulation(cls, ranks, name):
     m = microbatches_for(cls, ranks)
     local = run_and_compare(name, cls(m), ranks, stages_for(cls, ranks))
-    split = [sorted(r._split_stages) for r in local.runners]
+    split = [sorted(r._stages.split) for r in local.runners]
     uses_iw = cls in (S.ZeroBubbleH1, S.ZBV, S.DualPipeV)
     assert any(split) == uses_iw
 
@@ -90,7 +90,7 @@ def valid_schedules(draw, num_stages, edges):
 
 
 def graph_edges(pipe):
-    return mpmd._C.schedule.PipelineGraph.from_plan(pipe.plan).edges
+    return pipe.plan.edges()
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))

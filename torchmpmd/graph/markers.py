@@ -66,4 +66,5 @@ def mark_stage_end(x: T) -> T:
     marked = STAGE_END_OP([leaves[i] for i in positions])
     for i, value in zip(positions, marked, strict=True):
         leaves[i] = value
-    return pytree.tree_unflatten(leaves, spec)
+    out: T = pytree.tree_unflatten(leaves, spec)
+    return out

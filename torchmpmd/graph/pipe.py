@@ -11,9 +11,10 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from ._format import human_bytes, table
+from .format import human_bytes, table
+from .plan import Plan
 
-__all__ = ["Pipe"]
+__all__ = ["Pipe", "StageSpec", "TensorSpec", "TransferInfo"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,8 +26,11 @@ class TensorSpec:
 
     @staticmethod
     def of(value: Any) -> TensorSpec | None:
-        if not isinstance(value, torch.Tensor):
-            return None
+        """The spec of a tensor; None for anything else."""
+        return TensorSpec.of_tensor(value) if isinstance(value, torch.Tensor) else None
+
+    @staticmethod
+    def of_tensor(value: torch.Tensor) -> TensorSpec:
         return TensorSpec(tuple(int(d) for d in value.shape), value.dtype)
 
     @property
@@ -51,12 +55,15 @@ class StageSpec:
     output_names: tuple[str, ...]  # sent values first, then (last stage) model outputs
     output_specs: tuple[TensorSpec | None, ...]
     num_sends: int
+    recv_values: tuple[int, ...]  # value ids of the received inputs, in order
+    send_values: tuple[int, ...]  # value ids of the sent outputs, in order
 
 
 @dataclass(frozen=True, slots=True)
 class TransferInfo:
-    """One value sent from `src_stage` directly to each of `dst_stages`."""
+    """One value (id `value`) sent from `src_stage` directly to each of `dst_stages`."""
 
+    value: int
     name: str
     spec: TensorSpec
     src_stage: int
@@ -79,7 +86,7 @@ class Pipe:
         stage_specs: list[StageSpec],
         transfers: list[TransferInfo],
         tied: dict[str, tuple[int, ...]],
-        plan: Any,
+        plan: Plan,
         input_names: list[str],
         input_specs: list[Any],
         in_spec: pytree.TreeSpec,
@@ -89,7 +96,7 @@ class Pipe:
         output_names: list[str | None],
         constant_outputs: dict[int, Any],
         parameter_aliases: dict[str, list[str]],
-        tied_parameters: dict[int, torch.nn.Parameter],
+        tied_parameters: dict[int, torch.Tensor],
     ) -> None:
         self._stages = stages
         self.stage_specs = stage_specs
@@ -105,9 +112,8 @@ class Pipe:
         self.output_names = output_names
         self.constant_outputs = constant_outputs
         self.parameter_aliases = parameter_aliases
-        # Tied parameters by their node id in the plan, and the stages holding each.
+        # Tied parameters by their node id in the plan (`plan.tied_stages(id)`).
         self.tied_parameters = tied_parameters
-        self._tied_stages = {t.node: tuple(t.stages) for t in plan.tied}
 
     def replicate(self) -> Pipe:
         """A copy with its own parameters and buffers (tying within it kept)."""
@@ -135,9 +141,6 @@ class Pipe:
             out.append(total)
         return out
 
-    def plan_tied_stages(self, node: int) -> tuple[int, ...]:
-        return self._tied_stages[node]
-
     @property
     def num_stages(self) -> int:
         return len(self._stages)
@@ -158,14 +161,14 @@ class Pipe:
 
     # ---- running
 
-    def flatten_inputs(self, args: tuple, kwargs: dict[str, Any]) -> list[Any]:
+    def flatten_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         """Flattens call arguments like the traced example, checking each against it."""
         flat = self.flatten_structure(args, kwargs)
         for name, expected, value in zip(self.input_names, self.input_specs, flat, strict=True):
             check_input(name, expected, value)
         return flat
 
-    def flatten_structure(self, args: tuple, kwargs: dict[str, Any]) -> list[Any]:
+    def flatten_structure(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         """Flattens call arguments like the traced example (structure only)."""
         unknown = sorted(set(kwargs) - set(self._kwarg_order))
         missing = [k for k in self._kwarg_order if k not in kwargs]
@@ -260,7 +263,7 @@ def check_input(name: str, expected: Any, value: Any) -> None:
             raise TypeError(
                 f"pipeline input '{name}' was a tensor {expected} when traced, got {type(value).__name__}"
             )
-        got = TensorSpec.of(value)
+        got = TensorSpec.of_tensor(value)
         if got != expected:
             raise ValueError(
                 f"pipeline input '{name}' has shape {tuple(got.shape)} and dtype {got.dtype}, but the "

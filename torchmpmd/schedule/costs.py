@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from . import _C
-from ._timeline import Timeline, TimelineEvent
+from .. import _C
+from .timeline import Timeline, TimelineEvent
 
 __all__ = ["Costs"]
 
@@ -49,7 +50,7 @@ class Costs:
         self, num_stages: int, activation_bytes: Sequence[int] | None = None
     ) -> _C.schedule.Costs:
         n = num_stages
-        f = _per_stage(self.forward, n, "forward")
+        f = _per_stage(self.forward, n, "forward") or []
         b = _per_stage(self.backward, n, "backward") or [2 * x for x in f]
         i = _per_stage(self.input_grad, n, "input_grad")
         w = _per_stage(self.weight_grad, n, "weight_grad")
@@ -57,7 +58,7 @@ class Costs:
             i = [x / 2 for x in b]
             w = [x / 2 for x in b]
         elif i is None:
-            i = [bb - ww for bb, ww in zip(b, w, strict=True)]
+            i = [bb - ww for bb, ww in zip(b, w or [], strict=True)]
         elif w is None:
             w = [bb - ii for bb, ii in zip(b, i, strict=True)]
         acts = list(self.activation_bytes or activation_bytes or [1] * n)
@@ -65,7 +66,7 @@ class Costs:
         if len(acts) != n or len(wbytes) != n:
             raise ValueError(f"Costs: activation byte counts must give one value per stage ({n})")
         c = _C.schedule.Costs()
-        c.forward, c.backward, c.input_grad, c.weight_grad = f, b, i, w
+        c.forward, c.backward, c.input_grad, c.weight_grad = f, b, i, w or []
         c.activation_bytes = [int(a) for a in acts]
         c.weight_grad_bytes = [int(x) for x in wbytes]
         c.latency = float(self.latency)
@@ -74,7 +75,7 @@ class Costs:
         return c
 
     @staticmethod
-    def from_timeline(timeline: Timeline, num_stages: int, **link: float) -> Costs:
+    def from_timeline(timeline: Timeline, num_stages: int, **link: Any) -> Costs:
         """Mean measured time of each task kind per stage (a profile of real steps).
 
         Kinds a schedule did not run are derived from the others (B = I + W,
@@ -95,8 +96,8 @@ class Costs:
                 is_ = ws = bs / 2
             f.append(mean[(s, "F")])
             b.append(bs)
-            i.append(is_ if is_ is not None else bs - ws)
-            w.append(ws if ws is not None else bs - is_)
+            i.append(is_ if is_ is not None else bs - (ws or 0.0))
+            w.append(ws if ws is not None else bs - (is_ or 0.0))
         return Costs(forward=f, backward=b, input_grad=i, weight_grad=w, unit=timeline.unit, **link)
 
 

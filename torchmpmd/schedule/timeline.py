@@ -6,6 +6,7 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 __all__ = ["Timeline", "TimelineEvent"]
 
@@ -78,7 +79,7 @@ class Timeline:
         num_ranks = max((t.num_ranks for t in parts), default=0)
         return Timeline(num_ranks, events, parts[0].source if parts else "measured")
 
-    def to_chrome_trace(self) -> dict:
+    def to_chrome_trace(self) -> dict[str, Any]:
         """Chrome trace-event JSON (opens in Perfetto / chrome://tracing)."""
         scale = 1e6 if self.unit == "s" else 1.0  # microseconds, or raw units
         trace = []

@@ -25,9 +25,10 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-from . import _C
-from ._markers import STAGE_END_OP, _tracing
-from ._pipe import Pipe, StageSpec, TensorSpec, TransferInfo
+from .. import _C
+from .markers import STAGE_END_OP, _tracing
+from .pipe import Pipe, StageSpec, TensorSpec, TransferInfo
+from .plan import Plan, StageNodes, partition
 
 __all__ = ["trace"]
 
@@ -122,8 +123,7 @@ def trace(
         module_paths=module_paths,
         marker_positions=[builder.position_after(node) for node in marker_after],
     )
-    plan = _C.graph.partition(stage_graph, spec)
-    return builder.build_pipe(plan)
+    return builder.build_pipe(partition(stage_graph, spec))
 
 
 # --------------------------------------------------------------------------- export
@@ -157,7 +157,9 @@ class _ModuleTracker:
                 h.remove()
 
 
-def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedProgram:
+def _export(
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> ExportedProgram:
     tracker = _ModuleTracker(model)
     try:
         with _tracing(), tracker.watch():
@@ -375,7 +377,11 @@ class _GraphBuilder:
     """Serialises the functional graph for C++ and builds stages from the plan."""
 
     def __init__(
-        self, model: torch.nn.Module, program: ExportedProgram, args: tuple, kwargs: dict
+        self,
+        model: torch.nn.Module,
+        program: ExportedProgram,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
     ) -> None:
         self.model = model
         self.program = program
@@ -408,8 +414,8 @@ class _GraphBuilder:
             for name, spec, value in zip(names, specs, flat, strict=True)
         ]
 
-    def _parameter_owner(self) -> dict[str, torch.nn.Parameter | torch.Tensor]:
-        state = {}
+    def _parameter_owner(self) -> dict[str, torch.Tensor]:
+        state: dict[str, torch.Tensor] = {}
         for spec in self.signature.input_specs:
             if spec.kind == InputKind.PARAMETER:
                 state[spec.arg.name] = self.model.get_parameter(spec.target)
@@ -523,7 +529,7 @@ class _GraphBuilder:
 
     # ---- stage construction
 
-    def build_pipe(self, plan: _C.graph.StagePlan) -> Pipe:
+    def build_pipe(self, plan: Plan) -> Pipe:
         aliases = _parameter_aliases(self.model)
         stages = []
         graph_modules = []
@@ -533,15 +539,16 @@ class _GraphBuilder:
             stages.append(spec)
         transfers = [
             TransferInfo(
+                value=t.value,
                 name=self.nodes[t.value].name,
-                spec=TensorSpec.of(self.nodes[t.value].meta["val"]),
+                spec=TensorSpec.of_tensor(self.nodes[t.value].meta["val"]),
                 src_stage=t.src_stage,
-                dst_stages=tuple(t.dst_stages),
+                dst_stages=t.dst_stages,
                 requires_grad=t.requires_grad,
             )
             for t in plan.transfers
         ]
-        tied = {self._fqn(self.nodes[t.node]): tuple(t.stages) for t in plan.tied}
+        tied = {self._fqn(self.nodes[t.node]): t.stages for t in plan.tied}
         constant_outputs = {
             i: v for i, v in enumerate(self.user_outputs) if not isinstance(v, fx.Node)
         }
@@ -566,16 +573,17 @@ class _GraphBuilder:
         )
 
     def _fqn(self, node: fx.Node) -> str:
-        return self.input_specs[node.name].target
+        return str(self.input_specs[node.name].target)
 
     def _build_stage(
-        self, plan: _C.graph.StagePlan, s: int, aliases: dict[str, list[str]]
+        self, plan: Plan, s: int, aliases: dict[str, list[str]]
     ) -> tuple[fx.GraphModule, StageSpec]:
+        nodes = plan.stages[s]
         graph = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
         root = torch.nn.Module()
         input_names = []
-        for i in list(plan.inputs[s]) + list(plan.recvs[s]):
+        for i in nodes.inputs + nodes.recvs:
             node = self.nodes[i]
             env[node] = graph.placeholder(node.name)
             env[node].meta = dict(node.meta)
@@ -585,23 +593,24 @@ class _GraphBuilder:
             for spec in self.signature.input_specs
             if spec.kind == InputKind.BUFFER
         }
-        for i in list(plan.params[s]) + list(plan.buffers[s]):
+        for i in nodes.params + nodes.buffers:
             node = self.nodes[i]
-            fqn = self._choose_alias(node, plan, s, aliases)
+            fqn = self._choose_alias(node, nodes, aliases)
             _install(root, fqn, self.state[node.name], persistent.get(self._fqn(node), True))
             env[node] = graph.get_attr(fqn)
             env[node].meta = dict(node.meta)
-        for i in plan.compute[s]:
+        for i in nodes.compute:
             node = self.nodes[i]
             if node.op == "get_attr":
-                _install(root, node.target, getattr(self.program.graph_module, node.target), True)
+                target = str(node.target)
+                _install(root, target, getattr(self.program.graph_module, target), True)
             env[node] = graph.node_copy(node, lambda n: env[n])
-        for update in plan.buffer_updates[s]:
+        for update in nodes.buffer_updates:
             graph.call_function(
                 torch.ops.aten.copy_.default,
                 (env[self.nodes[update.buffer]], env[self.nodes[update.value]]),
             )
-        outputs = [self.nodes[i] for i in plan.sends[s]]
+        outputs = [self.nodes[i] for i in nodes.sends]
         if s == plan.num_stages - 1:
             outputs += [self.nodes[i] for i in plan.outputs]
         graph.output(tuple(env[n] for n in outputs))
@@ -612,25 +621,24 @@ class _GraphBuilder:
             index=s,
             input_names=tuple(input_names),
             input_specs=tuple(
-                TensorSpec.of(self.nodes[i].meta.get("val"))
-                for i in list(plan.inputs[s]) + list(plan.recvs[s])
+                TensorSpec.of(self.nodes[i].meta.get("val")) for i in nodes.inputs + nodes.recvs
             ),
-            num_user_inputs=len(plan.inputs[s]),
+            num_user_inputs=len(nodes.inputs),
+            recv_values=nodes.recvs,
+            send_values=nodes.sends,
             output_names=tuple(n.name for n in outputs),
             output_specs=tuple(TensorSpec.of(n.meta.get("val")) for n in outputs),
-            num_sends=len(plan.sends[s]),
+            num_sends=len(nodes.sends),
         )
         return gm, spec
 
-    def _choose_alias(
-        self, node: fx.Node, plan: _C.graph.StagePlan, s: int, aliases: dict[str, list[str]]
-    ) -> str:
+    def _choose_alias(self, node: fx.Node, nodes: StageNodes, aliases: dict[str, list[str]]) -> str:
         """Names a tied parameter after the module of this stage that uses it."""
         fqn = self._fqn(node)
         names = aliases.get(fqn, [fqn])
         if len(names) == 1:
             return fqn
-        computed = set(plan.compute[s])
+        computed = set(nodes.compute)
         paths = [
             _module_stack(user)[-1].split("@")[0] if _module_stack(user) else ""
             for user in node.users

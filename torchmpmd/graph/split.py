@@ -62,7 +62,7 @@ def _subgraph(
         if n not in env:
             if n.op != "get_attr":
                 raise AssertionError(f"split: node {n.name} is needed but not available")
-            env[n] = graph.get_attr(n.target)
+            env[n] = graph.get_attr(str(n.target))
         return env[n]
 
     for node in source.graph.nodes:
@@ -107,7 +107,9 @@ def split_joint(
     tangent_outputs = [i for i, o in enumerate(probe) if o.requires_grad]
     tangents_ex = [torch.ones_like(probe[i]) for i in tangent_outputs]
 
-    def joint(ps: list[torch.Tensor], xs: list[torch.Tensor], ts: list[torch.Tensor]):
+    def joint(
+        ps: list[torch.Tensor], xs: list[torch.Tensor], ts: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         outs = fn(ps, xs)
         wrt = [xs[i] for i in grad_inputs] + [ps[i] for i in grad_params]
         roots = [outs[i] for i in tangent_outputs]
@@ -198,7 +200,9 @@ class SplitStage:
     def __init__(
         self,
         module: fx.GraphModule,
-        stage_fn: Callable[[list[torch.Tensor], list[torch.Tensor]], list[torch.Tensor]],
+        stage_fn: Callable[
+            [list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]], list[torch.Tensor]
+        ],
         example_inputs: list[torch.Tensor],
         grad_inputs: list[int],
         compile_options: dict[str, Any] | None,
@@ -219,9 +223,9 @@ class SplitStage:
         state = self._params + self._buffers
         self.joint = split_joint(fn, state, example_inputs, grad_inputs)
         self._loss_output = loss_output
-        self._forward: Callable = self.joint.forward
-        self._input_grad: Callable = self.joint.input_grad
-        self._weight_grad: Callable = self.joint.weight_grad
+        self._forward: Callable[..., Any] = self.joint.forward
+        self._input_grad: Callable[..., Any] = self.joint.input_grad
+        self._weight_grad: Callable[..., Any] = self.joint.weight_grad
         if compile_options is not None:
             self._forward = torch.compile(self._forward, **compile_options)
             self._input_grad = torch.compile(self._input_grad, **compile_options)
@@ -235,16 +239,17 @@ class SplitStage:
         return list(self._forward(*self._state(), *inputs))
 
     def input_grad(
-        self, saved: Sequence[torch.Tensor], output_grads: Sequence[torch.Tensor]
+        self, saved: Sequence[torch.Tensor], output_grads: Sequence[torch.Tensor | None]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Gradients of the stage inputs, and what W needs."""
         j = self.joint
         tangents = []
         for i, zero in zip(j.tangent_outputs, j.tangent_examples, strict=True):
+            given = output_grads[i] if i < len(output_grads) else None
             if i == self._loss_output:
                 tangents.append(torch.ones_like(zero))  # d(loss)/d(loss)
-            elif i < len(output_grads) and output_grads[i] is not None:
-                tangents.append(output_grads[i])
+            elif given is not None:
+                tangents.append(given)
             else:
                 tangents.append(zero)  # an output no later stage differentiates
         result = list(

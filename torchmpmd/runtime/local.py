@@ -1,0 +1,81 @@
+"""Run a whole pipeline inside one process: ranks as threads over an in-memory
+transport that follows the same matching and ordering rules as c10d.
+
+Each rank gets its own copy of the parameters, as separate processes would,
+so tied weights and optimizer steps behave exactly as in a real job. Forward
+calls take turns on the GIL; backward passes run in parallel.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..graph.pipe import Pipe
+from ..schedule.task import Schedule
+from .runner import PipelineRunner, StepOutput
+from .transport import LocalWorld
+
+__all__ = ["LocalPipeline"]
+
+
+class LocalPipeline:
+    """`num_ranks` PipelineRunners in threads of this process."""
+
+    def __init__(
+        self, pipe: Pipe, schedule: Schedule, num_ranks: int, **runner_kwargs: Any
+    ) -> None:
+        self.world = LocalWorld(num_ranks)
+        self.pipes = [pipe.replicate() for _ in range(num_ranks)]
+        self.runners = [
+            PipelineRunner(
+                self.pipes[r], schedule, transport=self.world.transport(r), **runner_kwargs
+            )
+            for r in range(num_ranks)
+        ]
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.runners)
+
+    def step(self, *args: Any, target: Any = None, **kwargs: Any) -> list[StepOutput]:
+        """One training step on every rank; the per-rank results."""
+        return self._on_all(lambda r: r.step(*args, target=target, **kwargs))
+
+    def eval_step(self, *args: Any, **kwargs: Any) -> list[Any]:
+        return self._on_all(lambda r: r.eval_step(*args, **kwargs))
+
+    def kill(self, rank: int) -> None:
+        """Makes `rank` look dead to its peers (their receives from it fail)."""
+        self.world.kill(rank)
+
+    def _on_all(self, fn: Callable[[PipelineRunner], Any]) -> list[Any]:
+        results: list[Any] = [None] * self.num_ranks
+        errors: list[tuple[float, int, BaseException]] = []
+
+        def run(rank: int) -> None:
+            try:
+                results[rank] = fn(self.runners[rank])
+            except BaseException as err:  # reported below, per rank
+                # A failed rank is gone for its peers, as a crashed process is.
+                self.world.kill(rank)
+                errors.append((time.monotonic(), rank, err))
+
+        threads = [
+            threading.Thread(target=run, args=(r,), daemon=True) for r in range(self.num_ranks)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            # The first failure is the cause; the others followed from it.
+            errors.sort(key=lambda e: e[0])
+            first = errors[0][2]
+            for _, rank, err in errors[1:]:
+                if hasattr(first, "add_note"):  # Python >= 3.11
+                    first.add_note(f"then rank {rank}: {err}")
+            raise first
+        return results

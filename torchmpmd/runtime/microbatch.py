@@ -1,0 +1,104 @@
+"""Splitting a batch into microbatches and merging microbatch outputs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from ..graph.pipe import Pipe, check_input
+
+__all__: list[str] = []
+
+
+class Microbatcher:
+    """Cuts call arguments and targets into `num_microbatches` pieces.
+
+    Tensors split along dim 0 unless `chunk_dims` names another dimension
+    (None: every microbatch gets the whole tensor); other values are
+    replicated. Each microbatch is checked against the traced example.
+    """
+
+    def __init__(
+        self, pipe: Pipe, num_microbatches: int, chunk_dims: Mapping[str, int | None] | None
+    ) -> None:
+        self._pipe = pipe
+        self.num_microbatches = num_microbatches
+        self._chunk_dims = dict(chunk_dims or {})
+        unknown = set(self._chunk_dims) - set(pipe.input_names) - {"target"}
+        if unknown:
+            raise ValueError(
+                f"chunk_dims names unknown inputs {sorted(unknown)}; inputs are {pipe.input_names} "
+                "and 'target'"
+            )
+
+    def inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[list[Any]]:
+        """Per microbatch, the flat inputs in the traced order."""
+        flat = self._pipe.flatten_structure(args, kwargs)
+        m = self.num_microbatches
+        columns = []
+        for name, expected, value in zip(
+            self._pipe.input_names, self._pipe.input_specs, flat, strict=True
+        ):
+            if isinstance(value, torch.Tensor):
+                dim = self._chunk_dims.get(name, 0)
+                pieces = [value.contiguous()] * m if dim is None else _chunk(value, m, dim, name)
+                for i, piece in enumerate(pieces):
+                    _check_microbatch(name, expected, piece, i)
+                columns.append(pieces)
+            else:
+                check_input(name, expected, value)
+                columns.append([value] * m)
+        return [list(row) for row in zip(*columns, strict=True)]
+
+    def targets(self, target: Any) -> list[Any]:
+        """Per microbatch, its piece of `target` (None: no target)."""
+        m = self.num_microbatches
+        if target is None:
+            return [None] * m
+        dim = self._chunk_dims.get("target", 0)
+        leaves, spec = pytree.tree_flatten(target)
+        split = [
+            _chunk(leaf, m, dim, "target")
+            if isinstance(leaf, torch.Tensor) and dim is not None
+            else [leaf] * m
+            for leaf in leaves
+        ]
+        return [pytree.tree_unflatten([col[i] for col in split], spec) for i in range(m)]
+
+
+def merge(pieces: list[Any]) -> Any:
+    """One output from its microbatch pieces: concatenated (scalars stacked)."""
+    first = pieces[0]
+    if not isinstance(first, torch.Tensor):
+        return first
+    if first.dim() == 0:
+        return torch.stack(pieces)
+    return torch.cat(pieces, dim=0)
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    return pytree.tree_map(
+        lambda v: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v, value
+    )
+
+
+def _chunk(value: torch.Tensor, m: int, dim: int, name: str) -> list[torch.Tensor]:
+    size = value.shape[dim] if value.dim() > dim else None
+    if size is None or size % m:
+        raise ValueError(
+            f"input '{name}' has shape {tuple(value.shape)}: dimension {dim} must split into "
+            f"{m} equal microbatches; pass a batch that is a multiple of num_microbatches, or "
+            f"chunk_dims={{'{name}': ...}} to split along another dimension (None: replicate)"
+        )
+    # Contiguous, like the traced example: graphs may view their inputs.
+    return [piece.contiguous() for piece in torch.chunk(value, m, dim)]
+
+
+def _check_microbatch(name: str, expected: Any, piece: torch.Tensor, i: int) -> None:
+    try:
+        check_input(name, expected, piece)
+    except ValueError as err:
+        raise ValueError(f"microbatch {i}: {err}") from None

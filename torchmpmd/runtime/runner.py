@@ -1,0 +1,319 @@
+"""`PipelineRunner`: pipelined training and evaluation across processes."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from .. import _C
+from ..graph.pipe import Pipe, unique_named_parameters
+from ..schedule.program import Program, compile_schedule
+from ..schedule.task import Schedule
+from ..schedule.timeline import Timeline, TimelineEvent, from_records
+from .microbatch import Microbatcher, merge
+from .stages import Evaluation, LocalStages, LossFn, Step, Training
+from .transport import C10dTransport, Transport, all_gather, broadcast
+
+__all__ = ["PipelineRunner", "StepOutput"]
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What `PipelineRunner.step` returns on every rank."""
+
+    loss: torch.Tensor  # mean over microbatches, as gradient accumulation weighs them
+    losses: torch.Tensor  # per microbatch
+
+
+class PipelineRunner:
+    """Runs a `Pipe` under a `Schedule` on the ranks of a process group.
+
+    Each rank keeps only the stages the schedule places on it (moved to
+    `device`); a native executor runs the rank's program with receives posted
+    ahead and waited on only when needed. Gradients accumulate into the local
+    parameters like a gradient-accumulation loop over the microbatches, and
+    the copies of tied parameters receive the same summed gradient, so any
+    optimizer keeps them equal.
+
+    The ranks talk over `group` (a torch.distributed process group; default:
+    the world) or any `transport` (`torchmpmd.runtime.transport`), e.g. the
+    in-process one of `torchmpmd.testing`. Call `step` (and `eval_step`) on
+    every rank with the same full batch.
+    """
+
+    def __init__(
+        self,
+        pipe: Pipe,
+        schedule: Schedule,
+        *,
+        group: dist.ProcessGroup | None = None,
+        transport: Transport | None = None,
+        device: torch.device | str | None = None,
+        loss_fn: LossFn | None = None,
+        chunk_dims: Mapping[str, int | None] | None = None,
+        timeout: float | datetime.timedelta = 300.0,
+        max_early_recvs: int = 64,
+        split_backward: bool | str = "auto",
+        compile: bool | Mapping[str, Any] = False,
+    ) -> None:
+        if not isinstance(pipe, Pipe):
+            raise TypeError(f"PipelineRunner needs an mpmd.Pipe, got {type(pipe).__name__}")
+        self._transport = _connect(group, transport)
+        self.rank: int = self._transport.rank
+        self.num_ranks: int = self._transport.size
+        self._pipe = pipe
+        self._schedule = schedule
+        self._timeout = (
+            timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+        )
+        self._max_early_recvs = max_early_recvs
+        self.program: Program = compile_schedule(schedule, pipe, self.num_ranks)
+        self.num_microbatches = schedule.num_microbatches
+        self._microbatcher = Microbatcher(pipe, self.num_microbatches, chunk_dims)
+        placement = self.program.placement
+        self.local_stages = [s for s in range(pipe.num_stages) if placement[s] == self.rank]
+        self._loss_rank = placement[pipe.num_stages - 1]
+        self.device = _pick_device(device, group, c10d=transport is None)
+        self._stages = LocalStages(
+            pipe,
+            self.local_stages,
+            self.device,
+            loss_fn=loss_fn,
+            num_microbatches=self.num_microbatches,
+            split=self._choose_split(split_backward),
+            compile_options=None if compile is False else ({} if compile is True else compile),
+        )
+        self._tied = {
+            node: param
+            for node, param in pipe.tied_parameters.items()
+            if any(placement[s] == self.rank for s in pipe.plan.tied_stages(node))
+        }
+        self._executor = self._make_executor(self.program, training=True)
+        self._eval_executor: _C.runtime.Executor | None = None
+        self.timeline: Timeline | None = None
+
+    def _choose_split(self, split_backward: bool | str) -> set[int]:
+        with_iw = {t.stage for t in self.program.tasks(self.rank) if t.kind in ("I", "W")}
+        if split_backward == "auto":
+            return with_iw
+        if split_backward is True:
+            return set(self.local_stages)
+        if split_backward is False:
+            if with_iw:
+                raise ValueError(
+                    f"{type(self._schedule).__name__} has input/weight-gradient tasks (I/W) for "
+                    f"stages {sorted(with_iw)} on rank {self.rank}, which need split_backward"
+                )
+            return set()
+        raise ValueError(f"split_backward must be True, False or 'auto', got {split_backward!r}")
+
+    def _make_executor(self, program: Program, training: bool) -> _C.runtime.Executor:
+        pipe = self._pipe
+        values = [
+            _C.runtime.ValueInfo(t.value, t.name, list(t.spec.shape), t.spec.dtype, t.requires_grad)
+            for t in pipe.transfers
+        ]
+        stages = [
+            _C.runtime.StageInfo(
+                s,
+                list(spec.recv_values),
+                list(spec.send_values),
+                s == pipe.num_stages - 1,
+                training and s in self._stages.split,
+            )
+            for s, spec in enumerate(pipe.stage_specs)
+        ]
+        return _C.runtime.Executor(
+            rank=self.rank,
+            program=program._native,
+            stages=stages,
+            values=values,
+            transport=self._transport,
+            tied=self._tied if training else {},
+            timeout_s=self._timeout,
+            max_early_recvs=self._max_early_recvs,
+            training=training,
+            device=self.device,
+        )
+
+    # ---- public API
+
+    def step(self, *args: Any, target: Any = None, **kwargs: Any) -> StepOutput:
+        """One training step over the full batch (split into microbatches).
+
+        Gradients accumulate into the local parameters (`.grad`), as a loop of
+        `(loss_fn(model(mb), target_mb) / num_microbatches).backward()` would.
+        Returns the mean loss on every rank.
+        """
+        step = Step(
+            inputs=self._microbatcher.inputs(args, kwargs),
+            targets=self._microbatcher.targets(target),
+        )
+        self._stages.prepare(step)
+        fns = Training(self._stages, step)
+        self._executor.run(fns.forward, fns.input_grad, fns.weight_grad)
+        self.timeline = from_records(
+            self.rank,
+            self.num_ranks,
+            self._executor.records(),
+            self._executor.step_start_unix_ns,
+        )
+        # float64 holds a float32 or float64 loss exactly.
+        if self.rank == self._loss_rank:
+            losses = torch.stack([_done(loss).double() for loss in step.losses]).to(self.device)
+        else:
+            losses = torch.empty(self.num_microbatches, dtype=torch.float64, device=self.device)
+        self._share(losses)
+        return StepOutput(loss=losses.mean(), losses=losses)
+
+    @torch.no_grad()
+    def eval_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Forward only, keeping no autograd state; the model's output for the
+        whole batch (microbatch outputs concatenated) on every rank."""
+        if self._eval_executor is None:
+            program = compile_schedule(
+                self._schedule, self._pipe, self.num_ranks, forward_only=True
+            )
+            self._eval_executor = self._make_executor(program, training=False)
+        step = Step(inputs=self._microbatcher.inputs(args, kwargs), targets=[])
+        self._eval_executor.run(Evaluation(self._stages, step).forward)
+        flat = self._share_outputs(step.outputs)
+        names = [n for n in self._pipe.output_names if n is not None]
+        return self._pipe.unflatten_outputs(dict(zip(names, flat, strict=True)))
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """This rank's parameters, once each, under their names in the model."""
+        return unique_named_parameters(self._stages.modules[s] for s in self.local_stages)
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and persistent buffers under the model's names.
+
+        A tied parameter appears on every rank that holds it, each under the
+        name its stage uses; merged over ranks the keys are the model's.
+        """
+        out: dict[str, torch.Tensor] = {}
+        for s in self.local_stages:
+            for name, t in self._stages.modules[s].state_dict(keep_vars=False).items():
+                out.setdefault(name, t)
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Loads this rank's entries from a (full or per-rank) state dict.
+
+        Keys of other ranks' stages are ignored. With `strict`, every local
+        entry must be present under one of its names.
+        """
+        missing = []
+        for s in self.local_stages:
+            for name, t in self._stages.modules[s].state_dict(keep_vars=True).items():
+                aliases = self._pipe.parameter_aliases.get(name, [name])
+                key = next((a for a in [name, *aliases] if a in state_dict), None)
+                if key is None:
+                    missing.append(name)
+                    continue
+                value = state_dict[key]
+                if tuple(value.shape) != tuple(t.shape):
+                    raise ValueError(
+                        f"load_state_dict: '{key}' has shape {tuple(value.shape)}, but stage {s} on "
+                        f"rank {self.rank} holds it with shape {tuple(t.shape)}"
+                    )
+                t.copy_(value)
+        if strict and missing:
+            raise KeyError(f"load_state_dict: rank {self.rank} found no entry for {missing}")
+
+    def gather_timeline(self) -> Timeline:
+        """The last step's measured timeline of every rank (collective: call on all ranks)."""
+        if self.timeline is None:
+            raise RuntimeError("gather_timeline: run a step first")
+        kinds = list(_C.schedule.TaskKind.__members__)  # measured events are tasks
+        rows = torch.tensor(
+            [
+                [kinds.index(e.kind), e.stage, e.microbatch, e.start, e.end]
+                for e in self.timeline.events
+            ],
+            dtype=torch.float64,
+            device=self.device,
+        ).reshape(-1, 5)
+        parts = all_gather(self._transport, rows, self._timeout)
+        events = [
+            TimelineEvent(rank, kinds[int(k)], int(s), int(mb), start, end)
+            for rank, part in enumerate(parts)
+            for k, s, mb, start, end in part.cpu().tolist()
+        ]
+        return Timeline(self.num_ranks, events, "measured", "s")
+
+    # ---- results shared from the last stage's rank
+
+    def _share(self, tensor: torch.Tensor) -> None:
+        broadcast(self._transport, tensor, self._loss_rank, self._timeout)
+
+    def _share_outputs(self, outputs: list[list[Any] | None]) -> list[torch.Tensor]:
+        """The loss rank's merged outputs, on every rank (shapes come from the plan)."""
+        spec = self._pipe.stage_specs[self._pipe.num_stages - 1]
+        m = self.num_microbatches
+        out = []
+        for i, one in enumerate(spec.output_specs[spec.num_sends :]):
+            if one is None:
+                raise TypeError(
+                    f"eval_step: model output '{spec.output_names[spec.num_sends + i]}' is not a "
+                    "tensor; pipelines return tensors (and constants) only"
+                )
+            if self.rank == self._loss_rank:
+                t = merge([_done(o)[i] for o in outputs]).contiguous()
+            else:
+                shape = (one.shape[0] * m, *one.shape[1:]) if one.shape else (m,)
+                t = torch.empty(shape, dtype=one.dtype, device=self.device)
+            self._share(t)
+            out.append(t)
+        return out
+
+
+def _connect(group: dist.ProcessGroup | None, transport: Transport | None) -> Transport:
+    """The transport of this runner: the one given, or c10d over `group` (default: world)."""
+    if transport is not None:
+        if group is not None:
+            raise ValueError("PipelineRunner: pass group or transport, not both")
+        if not isinstance(transport, Transport):
+            raise TypeError(
+                f"PipelineRunner: transport must be a torchmpmd transport, got "
+                f"{type(transport).__name__}; wrap a process group with group=..."
+            )
+        return transport
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "PipelineRunner: torch.distributed is not initialized; call "
+            "dist.init_process_group() first (torchrun sets up the environment)"
+        )
+    group = group if group is not None else dist.group.WORLD
+    if group is None:
+        raise RuntimeError("PipelineRunner: torch.distributed has no default process group")
+    return C10dTransport(group)
+
+
+def _pick_device(
+    device: torch.device | str | None, group: dist.ProcessGroup | None, *, c10d: bool
+) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if c10d and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _done(value: _T | None) -> _T:
+    """A per-microbatch result the executor must have filled in."""
+    if value is None:
+        raise RuntimeError("torchmpmd: a microbatch finished without its result")
+    return value

@@ -1,0 +1,175 @@
+"""One rank's stages, and the callables the executor runs for one step.
+
+`LocalStages` holds what lasts across steps: the local stage modules (moved
+to the device), what forward calls (the module, or its compiled form), the
+F/I/W graphs of split stages and the loss. A `Step` holds what one step reads
+and writes; `Training(stages, step)` and `Evaluation(stages, step)` are the
+callables the executor runs for it, so two steps never share state through
+the runner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..graph.pipe import Pipe
+from ..graph.split import SplitStage
+from .microbatch import to_device
+from .split_stages import build_split_stage, split_inputs
+
+__all__: list[str] = []
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+@dataclass(kw_only=True, slots=True)
+class Step:
+    """What one step reads (per microbatch: inputs, targets) and produces."""
+
+    inputs: list[list[Any]]  # per microbatch, the model's flat inputs
+    targets: list[Any]  # per microbatch (None without a target)
+    losses: list[torch.Tensor | None] = field(default_factory=list)  # training
+    outputs: list[list[Any] | None] = field(default_factory=list)  # evaluation
+
+    def __post_init__(self) -> None:
+        m = len(self.inputs)
+        self.losses = [None] * m
+        self.outputs = [None] * m
+
+
+class LocalStages:
+    """The stages one rank holds and how each runs."""
+
+    def __init__(
+        self,
+        pipe: Pipe,
+        stages: list[int],
+        device: torch.device,
+        *,
+        loss_fn: LossFn | None,
+        num_microbatches: int,
+        split: set[int],
+        compile_options: Mapping[str, Any] | None,
+    ) -> None:
+        self.pipe = pipe
+        self.ids = stages
+        self.device = device
+        self.last = pipe.num_stages - 1
+        self.num_microbatches = num_microbatches
+        self.split = split
+        self.compile_options = None if compile_options is None else dict(compile_options)
+        self._loss_fn = loss_fn
+        self.modules = {s: pipe.stage(s).to(device) for s in stages}
+        # What forward calls: the stage's GraphModule, or its compiled form
+        # (the module itself keeps the parameters under the model's names).
+        self._calls: dict[int, Callable[..., Any]] = {
+            s: torch.compile(m, **self.compile_options)
+            if self.compile_options is not None and s not in split
+            else m
+            for s, m in self.modules.items()
+        }
+        self._user_index = {
+            s: [
+                pipe.input_node_names.index(n)
+                for n in pipe.stage_specs[s].input_names[: pipe.stage_specs[s].num_user_inputs]
+            ]
+            for s in stages
+        }
+        self.split_graphs: dict[int, SplitStage] = {}
+
+    def prepare(self, step: Step) -> None:
+        """Traces the F/I/W graphs of split stages, at the first step (with its values)."""
+        for stage in sorted(self.split - set(self.split_graphs)):
+            self.split_graphs[stage] = build_split_stage(self, stage, step)
+
+    def user_inputs(self, step: Step, stage: int, mb: int) -> list[Any]:
+        """The model inputs `stage` reads, for microbatch `mb`, on the device."""
+        row = step.inputs[mb]
+        out = []
+        for i in self._user_index[stage]:
+            v = row[i]
+            out.append(v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+        return out
+
+    def call(self, step: Step, stage: int, mb: int, received: list[torch.Tensor]) -> Any:
+        """The stage's plain forward: its sent values, then (last stage) the model outputs."""
+        return self._calls[stage](*self.user_inputs(step, stage, mb), *received)
+
+    def sends_and_loss(
+        self, stage: int, outs: Any, target: Any, mb: int
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Splits a stage's outputs into its sends and, on the last stage, the loss."""
+        spec = self.pipe.stage_specs[stage]
+        sends = list(outs[: spec.num_sends])
+        if stage != self.last:
+            return sends, None
+        env = dict(zip(spec.output_names, outs, strict=True))
+        return sends, self._loss(self.pipe.unflatten_outputs(env), target, mb)
+
+    def _loss(self, output: Any, target: Any, mb: int) -> torch.Tensor:
+        if self._loss_fn is not None:
+            loss = self._loss_fn(output, to_device(target, self.device))
+        else:
+            loss = getattr(output, "loss", output)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(
+                f"the loss of microbatch {mb} must be a tensor with one element, got {shape}; "
+                "pass loss_fn=... that reduces the model output to a scalar"
+            )
+        return loss.reshape(())
+
+
+class Training:
+    """The executor's callables for one training step."""
+
+    def __init__(self, stages: LocalStages, step: Step) -> None:
+        self._stages = stages
+        self._step = step
+
+    def forward(self, stage: int, mb: int, received: list[torch.Tensor]) -> list[torch.Tensor]:
+        st, step = self._stages, self._step
+        split = st.split_graphs.get(stage)
+        if split is not None:
+            result = split.forward(split_inputs(st, step, stage, mb, received))
+            if stage != st.last:
+                return result
+            # Outputs: sends, loss / m (differentiated), loss (reported); then saved.
+            n = st.pipe.stage_specs[stage].num_sends
+            step.losses[mb] = result[n + 1]
+            return [*result[: n + 1], *result[n + 2 :]]
+        outs = st.call(step, stage, mb, received)
+        sends, loss = st.sends_and_loss(stage, outs, step.targets[mb], mb)
+        if loss is None:
+            return sends
+        step.losses[mb] = loss.detach()
+        return [*sends, loss / st.num_microbatches]
+
+    def input_grad(
+        self, stage: int, mb: int, saved: list[torch.Tensor], grads: list[torch.Tensor | None]
+    ) -> list[torch.Tensor]:
+        input_grads, for_w = self._stages.split_graphs[stage].input_grad(saved, grads)
+        return [*input_grads, *for_w]
+
+    def weight_grad(self, stage: int, mb: int, saved: list[torch.Tensor]) -> None:
+        self._stages.split_graphs[stage].weight_grad(saved)
+
+
+class Evaluation:
+    """The executor's callables for one forward-only step."""
+
+    def __init__(self, stages: LocalStages, step: Step) -> None:
+        self._stages = stages
+        self._step = step
+
+    def forward(self, stage: int, mb: int, received: list[torch.Tensor]) -> list[torch.Tensor]:
+        st = self._stages
+        outs = st.call(self._step, stage, mb, received)
+        n = st.pipe.stage_specs[stage].num_sends
+        if stage == st.last:
+            self._step.outputs[mb] = list(outs[n:])
+        return list(outs[:n])

@@ -1,0 +1,94 @@
+"""Gantt charts of timelines (matplotlib), predicted and measured side by side."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .timeline import Timeline
+
+__all__ = ["plot"]
+
+_COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#C44E52"}
+_OTHER = "#8172B3"  # any other task kind
+
+
+def plot(
+    timeline: Timeline | Sequence[Timeline],
+    path: str | Path | None = None,
+    *,
+    titles: Sequence[str] | None = None,
+    labels: bool = True,
+) -> Any:
+    """Draws one Gantt chart per timeline (rows: ranks; boxes: tasks colored by
+    kind and named '{stage}{kind}{microbatch}'), stacked so that a predicted
+    and a measured run of the same schedule can be compared. Saves a PNG to
+    `path` if given; returns the matplotlib Figure.
+    """
+    import matplotlib
+
+    if path is not None:
+        matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    timelines = [timeline] if isinstance(timeline, Timeline) else list(timeline)
+    if not timelines:
+        raise ValueError("plot: no timeline given")
+    fig, axes = plt.subplots(
+        len(timelines),
+        1,
+        figsize=(12, 0.5 + sum(0.45 * max(t.num_ranks, 1) + 0.8 for t in timelines)),
+        squeeze=False,
+    )
+    for k, (tl, ax) in enumerate(zip(timelines, axes[:, 0], strict=True)):
+        tasks = tl.tasks
+        start = min((e.start for e in tasks), default=0.0)
+        scale, unit = (1e3, "ms") if tl.unit == "s" else (1.0, tl.unit)
+        span = max((e.end - start for e in tasks), default=1.0) * scale or 1.0
+        for e in tasks:
+            x0 = (e.start - start) * scale
+            width = e.duration * scale
+            ax.barh(
+                e.rank,
+                width,
+                left=x0,
+                height=0.8,
+                color=_COLORS.get(e.kind, _OTHER),
+                edgecolor="white",
+                linewidth=0.5,
+            )
+            if labels and width > span / 60:
+                ax.text(
+                    x0 + width / 2,
+                    e.rank,
+                    f"{e.stage}{e.kind}{e.microbatch}",
+                    ha="center",
+                    va="center",
+                    fontsize=6,
+                    color="white",
+                )
+        title = titles[k] if titles is not None else f"{tl.source}: {tl.summary()}"
+        ax.set_title(title, fontsize=9)
+        ax.set_yticks(range(tl.num_ranks))
+        ax.set_yticklabels([f"rank {r}" for r in range(tl.num_ranks)])
+        ax.invert_yaxis()
+        ax.set_xlim(0, span * 1.01)
+        ax.set_xlabel(unit)
+    order = list(_COLORS)
+    kinds = sorted(
+        {e.kind for t in timelines for e in t.tasks},
+        key=lambda k: (order.index(k) if k in order else len(order), k),
+    )
+    fig.legend(
+        handles=[Patch(color=_COLORS.get(k, _OTHER), label=k) for k in kinds],
+        loc="upper right",
+        ncol=len(kinds),
+        fontsize=8,
+    )
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    if path is not None:
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+    return fig
