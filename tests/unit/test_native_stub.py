@@ -28,5 +28,7 @@ def test_every_native_binding_is_in_the_stub():
         module = getattr(_C, sub)
         native = {n for n in dir(module) if not n.startswith("_")}
         assert native <= stub[sub], f"_C.{sub}: missing from _C.pyi: {sorted(native - stub[sub])}"
-        assert stub[sub] <= native, f"_C.{sub}: in _C.pyi but not bound: {sorted(stub[sub] - native)}"
+        assert stub[sub] <= native, (
+            f"_C.{sub}: in _C.pyi but not bound: {sorted(stub[sub] - native)}"
+        )
     assert "Error" in {n.name for n in ast.parse(STUB.read_text()).body if hasattr(n, "name")}

@@ -1,0 +1,64 @@
+"""A transport plugs into PipelineRunner through its public `transport=`
+argument (the path the in-process harness takes too), results such as the
+gathered timeline travel over it, and a wrong transport argument is refused
+with what to pass instead."""
+
+import pytest
+import torch
+from models import CASES
+
+import torchmpmd as mpmd
+from torchmpmd.runtime import LocalWorld, Transport
+from torchmpmd.testing import LocalPipeline
+
+M = 4
+
+
+def _pipe():
+    case = CASES["gpt"]
+    model = case.model(torch.float64)
+    args, kwargs = case.inputs(2)
+    return case, mpmd.trace(model, args, kwargs, **case.split)
+
+
+def test_runners_on_a_local_world_match_gradient_accumulation_and_gather_timelines():
+    case, pipe = _pipe()
+    batch, _ = case.inputs(2 * M)
+    target = case.target(2 * M)
+    world = LocalWorld(2)
+    assert isinstance(world.transport(0), Transport)
+    # The same public argument a user's own transport would take.
+    local = LocalPipeline(pipe, mpmd.schedules.OneFOneB(M), 2, loss_fn=case.loss, timeout=30)
+    outs = local.step(*batch, target=target)
+    ref = case.model(torch.float64)
+    losses = []
+    for a, y in zip(batch[0].chunk(M), target.chunk(M), strict=True):
+        loss = case.loss(case.output(ref(a)), y)
+        (loss / M).backward()
+        losses.append(loss.detach())
+    for out in outs:
+        torch.testing.assert_close(out.loss, torch.stack(losses).double().mean())
+
+    gathered = local._on_all(lambda r: r.gather_timeline())
+    expected = sorted(
+        (e.rank, e.kind, e.stage, e.microbatch, e.start, e.end)
+        for r in local.runners
+        for e in r.timeline.events
+    )
+    assert len(expected) == 2 * pipe.num_stages * M  # an F and a B per stage and microbatch
+    for tl in gathered:
+        assert tl.num_ranks == 2 and tl.source == "measured"
+        got = sorted((e.rank, e.kind, e.stage, e.microbatch, e.start, e.end) for e in tl.events)
+        assert got == expected
+
+
+def test_bad_transport_arguments_say_what_to_pass():
+    _, pipe = _pipe()
+    schedule = mpmd.schedules.GPipe(M)
+    with pytest.raises(TypeError, match="transport must be a torchmpmd transport, got str"):
+        mpmd.PipelineRunner(pipe, schedule, transport="gloo")
+    world = LocalWorld(2)
+    with pytest.raises(ValueError, match="pass group or transport, not both"):
+        mpmd.PipelineRunner(pipe, schedule, transport=world.transport(0), group=object())
+    with pytest.raises(RuntimeError, match=r"torch\.distributed is not initialized"):
+        mpmd.PipelineRunner(pipe, schedule)
