@@ -131,6 +131,7 @@ Executor::Executor(int32_t rank, const schedule::Program& program,
         ins.microbatch == 0) {
       ++grad_parts_expected_[ins.value];
     }
+    if (ins.op == Op::kCompute) task_fn(ins.task.kind);  // fail early
     if (ins.op != Op::kRecv) continue;
     // The first compute (or reduce) after the receive that reads it.
     for (size_t j = i + 1; j < code_.size(); ++j) {
@@ -153,6 +154,22 @@ Executor::Executor(int32_t rank, const schedule::Program& program,
 }
 
 Executor::~Executor() = default;
+
+Executor::TaskFn Executor::task_fn(TaskKind kind) {
+  // Split stages run B as I then W; backward() tells the kinds apart.
+  static const std::pair<TaskKind, TaskFn> fns[] = {
+      {TaskKind::kForward, &Executor::forward},
+      {TaskKind::kBackward, &Executor::backward},
+      {TaskKind::kInputGrad, &Executor::backward},
+      {TaskKind::kWeightGrad, &Executor::backward},
+  };
+  for (const auto& [k, fn] : fns) {
+    if (k == kind) return fn;
+  }
+  TORCH_CHECK(false, "torchmpmd: the executor cannot run ",
+              schedule::info(kind).name, " tasks (",
+              schedule::kind_letter(kind), ")");
+}
 
 const ValueInfo& Executor::value(int32_t id) const {
   const auto it = values_.find(id);
@@ -521,11 +538,7 @@ void Executor::execute(size_t pc, State& st) {
     return;
   }
   try {
-    if (ins.task.kind == TaskKind::kForward) {
-      forward(ins.task, st);
-    } else {
-      backward(ins.task, st);
-    }
+    (this->*task_fn(ins.task.kind))(ins.task, st);
   } catch (const ExecutorError&) {
     throw;
   } catch (const std::exception& e) {

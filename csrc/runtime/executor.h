@@ -119,6 +119,9 @@ class Executor {
 
  private:
   struct State;
+  // How a task kind runs; task_fn() maps every kind of the task-kind table.
+  using TaskFn = void (Executor::*)(const schedule::Task&, State&);
+  static TaskFn task_fn(schedule::TaskKind kind);
   void execute(size_t pc, State& st);
   void post_early(size_t pc, State& st);
   void post_recv(size_t index, State& st);
