@@ -32,6 +32,7 @@ std::vector<TaskKindInfo> make_table() {
   TaskKindInfo b = row(TaskKind::kBackward, 'B', "backward");
   b.cost = &Costs::backward;
   b.needs = {{Need::kOwn, TaskKind::kForward},
+             {Need::kOwnIfScheduled, TaskKind::kRecompute},
              {Need::kConsumerInputGrads, TaskKind::kBackward}};
   b.backward = true;
   b.reads_grads = true;
@@ -56,6 +57,13 @@ std::vector<TaskKindInfo> make_table() {
   w.finishes_weight_grads = true;
   w.memory = w.memory_if_recomputed = {0, -1};
   table.push_back(w);
+
+  TaskKindInfo r = row(TaskKind::kRecompute, 'R', "recompute");
+  r.cost = &Costs::forward;
+  r.needs = {{Need::kOwn, TaskKind::kForward}};
+  r.recomputes = true;
+  r.memory = r.memory_if_recomputed = {+1, 0};
+  table.push_back(r);
 
   for (size_t k = 0; k < table.size(); ++k) {
     MPMD_INTERNAL_ASSERT(static_cast<size_t>(table[k].kind) == k,

@@ -18,8 +18,11 @@ enum class TaskKind : uint8_t {
   kBackward,    // B: full backward (input and weight gradients)
   kInputGrad,   // I: backward to the stage inputs only; keeps what W needs
   kWeightGrad,  // W: backward to the weights, from what I kept
+  // R: the forward again, from inputs F kept, now keeping what the backward
+  // needs (activation checkpointing); F of that (stage, mb) keeps nothing.
+  kRecompute,
 };
-constexpr int kNumTaskKinds = 4;
+constexpr int kNumTaskKinds = 5;
 
 // What a task needs to have finished before it starts, relative to its own
 // (stage, microbatch).
