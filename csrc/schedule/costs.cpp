@@ -44,8 +44,4 @@ double Costs::wire_time(int64_t bytes) const {
   return bytes_per_unit > 0 ? bytes / bytes_per_unit : 0.0;
 }
 
-double Costs::transfer_time(int64_t bytes) const {
-  return latency + wire_time(bytes);
-}
-
 }  // namespace torchmpmd::schedule

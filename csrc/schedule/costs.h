@@ -30,9 +30,8 @@ struct Costs {
                        double weight_grad = 1);
   // The cost of a task: the field its kind names in the task-kind table.
   double of(const Task& task) const;
-  // Latency plus wire time of one message, without contention.
-  double transfer_time(int64_t bytes) const;
-  // Time the link is busy with one message.
+  // Time the link is busy with one message (the machine model adds latency
+  // and contention).
   double wire_time(int64_t bytes) const;
   void check(int32_t num_stages) const;
 };
