@@ -158,9 +158,9 @@ void bind_runtime(py::module_ m) {
           "run",
           [](Executor& e, py::function forward, py::object input_grad,
              py::object weight_grad) {
-            const runtime::StageFunctions fns = wrap_functions(
-                std::move(forward), std::move(input_grad),
-                std::move(weight_grad));
+            const runtime::StageFunctions fns =
+                wrap_functions(std::move(forward), std::move(input_grad),
+                               std::move(weight_grad));
             py::gil_scoped_release release;
             e.run(fns);
           },

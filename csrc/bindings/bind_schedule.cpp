@@ -10,11 +10,11 @@ namespace torchmpmd::bindings {
 
 void bind_schedule(py::module_ m) {
   using namespace schedule;
-  py::enum_<TaskKind>(m, "TaskKind")
-      .value("F", TaskKind::kForward)
-      .value("B", TaskKind::kBackward)
-      .value("I", TaskKind::kInputGrad)
-      .value("W", TaskKind::kWeightGrad);
+  // Members named by letter, from the task-kind table.
+  py::enum_<TaskKind> kinds(m, "TaskKind");
+  for (const TaskKindInfo& k : task_kinds()) {
+    kinds.value(std::string(1, k.letter).c_str(), k.kind, k.name);
+  }
 
   py::class_<Task>(m, "Task")
       .def(py::init([](TaskKind kind, int32_t stage, int32_t microbatch) {
@@ -157,6 +157,16 @@ void bind_schedule(py::module_ m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("simulate", &simulate, py::arg("program"), py::arg("costs"),
         py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "timeline_stats",
+      [](const std::vector<int32_t>& ranks, const std::vector<double>& starts,
+         const std::vector<double>& ends) {
+        const TimelineStats s = timeline_stats(ranks, starts, ends);
+        return std::make_pair(s.step_time, s.bubble_fraction);
+      },
+      "(step time, bubble fraction) of task intervals: last end - first "
+      "start, and 1 - busy / (step time * distinct ranks); (0, 0) for none.",
+      py::arg("ranks"), py::arg("starts"), py::arg("ends"));
   m.def("render_grid", &render_grid, py::arg("spec"), py::arg("marks"));
 }
 

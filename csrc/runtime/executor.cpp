@@ -1,9 +1,11 @@
 #include "runtime/executor.h"
 
+#include <ATen/Context.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
+#include <mutex>
 #include <set>
 #include <sstream>
 
@@ -69,6 +71,8 @@ struct Executor::State {
   std::map<Key, std::vector<at::Tensor>> leaves;
   std::map<Key, std::vector<at::Tensor>> saved;    // split: F -> I
   std::map<Key, std::vector<at::Tensor>> saved_w;  // split: I -> W
+  std::map<Key, std::vector<at::Tensor>> kept;     // recomputed: F -> R
+  std::map<Key, at::Tensor> rng;                   // recomputed: F -> R
   std::map<Key, std::map<int32_t, at::Tensor>> grad_parts;
   std::map<int32_t, std::map<int32_t, at::Tensor>> tied_parts;
   std::map<size_t, Posted> recvs;
@@ -124,6 +128,12 @@ Executor::Executor(int32_t rank, const schedule::Program& program,
         ins.microbatch == 0) {
       ++grad_parts_expected_[ins.value];
     }
+    if (ins.op == Op::kCompute) {
+      task_fn(ins.task.kind);  // fail early
+      if (schedule::info(ins.task.kind).recomputes) {
+        recomputed_.emplace(ins.task.stage, ins.task.microbatch);
+      }
+    }
     if (ins.op != Op::kRecv) continue;
     // The first compute (or reduce) after the receive that reads it.
     for (size_t j = i + 1; j < code_.size(); ++j) {
@@ -146,6 +156,23 @@ Executor::Executor(int32_t rank, const schedule::Program& program,
 }
 
 Executor::~Executor() = default;
+
+Executor::TaskFn Executor::task_fn(TaskKind kind) {
+  // Split stages run B as I then W; backward() tells the kinds apart.
+  static const std::pair<TaskKind, TaskFn> fns[] = {
+      {TaskKind::kForward, &Executor::forward},
+      {TaskKind::kBackward, &Executor::backward},
+      {TaskKind::kInputGrad, &Executor::backward},
+      {TaskKind::kWeightGrad, &Executor::backward},
+      {TaskKind::kRecompute, &Executor::recompute},
+  };
+  for (const auto& [k, fn] : fns) {
+    if (k == kind) return fn;
+  }
+  TORCH_CHECK(false, "torchmpmd: the executor cannot run ",
+              schedule::info(kind).name, " tasks (",
+              schedule::kind_letter(kind), ")");
+}
 
 const ValueInfo& Executor::value(int32_t id) const {
   const auto it = values_.find(id);
@@ -314,34 +341,23 @@ at::Tensor Executor::sum_grad_parts(int32_t v, int32_t mb, State& st) {
 void Executor::forward(const Task& task, State& st) {
   const StageInfo& si = stage(task.stage);
   const int32_t mb = task.microbatch;
+  const State::Key key{task.stage, mb};
   std::vector<at::Tensor> inputs;
   inputs.reserve(si.inputs.size());
-  // Autograd stages take their inputs as leaves of a graph of their own;
-  // split stages compute their backward from what forward saves.
-  const bool autograd = options_.training && !si.split;
   for (const int32_t v : si.inputs) {
-    at::Tensor t = take_activation(v, mb, st);
-    if (autograd) {
-      t = t.detach();
-      if (value(v).requires_grad) t.requires_grad_(true);
-    }
-    inputs.push_back(std::move(t));
+    inputs.push_back(take_activation(v, mb, st));
   }
-  std::vector<at::Tensor> outs;
-  {
-    at::AutoGradMode grad_mode(autograd);
-    outs = st.fns->forward(task.stage, mb, inputs);
+  const bool recomputed = options_.training && recomputed_.count(key);
+  if (recomputed) {
+    // R replays this forward: same inputs, same random numbers (dropout).
+    auto& kept = st.kept[key];
+    for (const at::Tensor& t : inputs) kept.push_back(t.detach());
+    at::Generator gen = at::globalContext().defaultGenerator(options_.device);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    st.rng[key] = gen.get_state();
   }
-  const size_t want = si.outputs.size() + (options_.training && si.has_loss);
-  if (options_.training && si.split && outs.size() >= want) {
-    st.saved[{task.stage, mb}].assign(outs.begin() + want, outs.end());
-    outs.resize(want);
-  }
-  if (outs.size() != want) {
-    throw ExecutorError(c10::str("torchmpmd: rank ", rank_, ": ",
-                                 schedule::to_string(task), " returned ",
-                                 outs.size(), " tensors, expected ", want));
-  }
+  std::vector<at::Tensor> outs =
+      call_forward(task, std::move(inputs), /*keep=*/!recomputed, st);
   for (size_t i = 0; i < si.outputs.size(); ++i) {
     const ValueInfo& v = value(si.outputs[i]);
     const at::Tensor& out = outs[i];
@@ -359,10 +375,68 @@ void Executor::forward(const Task& task, State& st) {
       st.acts[{v.id, mb}] = {out, uses->second};
     }
   }
+}
+
+void Executor::recompute(const Task& task, State& st) {
+  const State::Key key{task.stage, task.microbatch};
+  std::vector<at::Tensor> inputs = std::move(st.kept.at(key));
+  st.kept.erase(key);
+  at::Tensor state = std::move(st.rng.at(key));
+  st.rng.erase(key);
+  at::Generator gen = at::globalContext().defaultGenerator(options_.device);
+  at::Tensor current;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    current = gen.get_state();
+    gen.set_state(state);
+  }
+  // The forward takes the generator's lock itself: not held across the call.
+  struct Restore {
+    at::Generator& gen;
+    const at::Tensor& state;
+    ~Restore() {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(state);
+    }
+  } restore{gen, current};
+  call_forward(task, std::move(inputs), /*keep=*/true, st);
+}
+
+std::vector<at::Tensor> Executor::call_forward(const Task& task,
+                                               std::vector<at::Tensor> inputs,
+                                               bool keep, State& st) {
+  const StageInfo& si = stage(task.stage);
+  const int32_t mb = task.microbatch;
+  // Autograd stages take their inputs as leaves of a graph of their own;
+  // split stages compute their backward from what forward saves.
+  const bool autograd = keep && options_.training && !si.split;
+  if (autograd) {
+    for (size_t j = 0; j < inputs.size(); ++j) {
+      inputs[j] = inputs[j].detach();
+      if (value(si.inputs[j]).requires_grad) inputs[j].requires_grad_(true);
+    }
+  }
+  std::vector<at::Tensor> outs;
+  {
+    at::AutoGradMode grad_mode(autograd);
+    outs = st.fns->forward(task.stage, mb, inputs);
+  }
+  const size_t want = si.outputs.size() + (options_.training && si.has_loss);
+  if (options_.training && si.split && outs.size() >= want) {
+    if (keep)
+      st.saved[{task.stage, mb}].assign(outs.begin() + want, outs.end());
+    outs.resize(want);
+  }
+  if (outs.size() != want) {
+    throw ExecutorError(c10::str("torchmpmd: rank ", rank_, ": ",
+                                 schedule::to_string(task), " returned ",
+                                 outs.size(), " tensors, expected ", want));
+  }
   if (autograd) {
     st.leaves[{task.stage, mb}] = std::move(inputs);
-    st.outputs[{task.stage, mb}] = std::move(outs);
+    st.outputs[{task.stage, mb}] = outs;
   }
+  return outs;
 }
 
 void Executor::backward(const Task& task, State& st) {
@@ -514,11 +588,7 @@ void Executor::execute(size_t pc, State& st) {
     return;
   }
   try {
-    if (ins.task.kind == TaskKind::kForward) {
-      forward(ins.task, st);
-    } else {
-      backward(ins.task, st);
-    }
+    (this->*task_fn(ins.task.kind))(ins.task, st);
   } catch (const ExecutorError&) {
     throw;
   } catch (const std::exception& e) {
@@ -564,7 +634,7 @@ void Executor::run(const StageFunctions& functions) {
   TORCH_INTERNAL_ASSERT(
       st.acts.empty() && st.outputs.empty() && st.leaves.empty() &&
           st.grad_parts.empty() && st.saved.empty() && st.saved_w.empty() &&
-          st.recvs.empty(),
+          st.kept.empty() && st.rng.empty() && st.recvs.empty(),
       "torchmpmd: rank ", rank_, " kept tensors past the end of the step");
 }
 

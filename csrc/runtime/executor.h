@@ -23,6 +23,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -121,12 +122,21 @@ class Executor {
 
  private:
   struct State;
+  // How a task kind runs; task_fn() maps every kind of the task-kind table.
+  using TaskFn = void (Executor::*)(const schedule::Task&, State&);
+  static TaskFn task_fn(schedule::TaskKind kind);
   void execute(size_t pc, State& st);
   void post_early(size_t pc, State& st);
   void post_recv(size_t index, State& st);
   void wait_recv(size_t index, State& st, const schedule::Instruction& user);
   void reap_sends(State& st, bool all);
   void forward(const schedule::Task& task, State& st);
+  void recompute(const schedule::Task& task, State& st);
+  // Runs the stage's callable on `inputs`; with `keep`, keeps what its
+  // backward needs (autograd leaves and outputs, or the split "saved").
+  std::vector<at::Tensor> call_forward(const schedule::Task& task,
+                                       std::vector<at::Tensor> inputs,
+                                       bool keep, State& st);
   void backward(const schedule::Task& task, State& st);
   void input_grad(const schedule::Task& task, State& st);
   void weight_grad(const schedule::Task& task, State& st);
@@ -152,6 +162,9 @@ class Executor {
   std::vector<std::vector<size_t>> needs_;
   std::map<int32_t, int32_t> activation_uses_;
   std::map<int32_t, int32_t> grad_parts_expected_;
+  // (stage, microbatch) with a recompute task: their forward keeps only its
+  // inputs (and the random generator's state), the recompute the rest.
+  std::set<std::pair<int32_t, int32_t>> recomputed_;
   std::vector<TaskRecord> records_;
   int64_t step_start_unix_ns_ = 0;
 };

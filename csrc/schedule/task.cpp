@@ -6,39 +6,6 @@
 
 namespace torchmpmd::schedule {
 
-char kind_letter(TaskKind kind) {
-  switch (kind) {
-    case TaskKind::kForward:
-      return 'F';
-    case TaskKind::kBackward:
-      return 'B';
-    case TaskKind::kInputGrad:
-      return 'I';
-    case TaskKind::kWeightGrad:
-      return 'W';
-  }
-  return '?';
-}
-
-TaskKind kind_from_letter(char letter) {
-  switch (letter) {
-    case 'F':
-      return TaskKind::kForward;
-    case 'B':
-      return TaskKind::kBackward;
-    case 'I':
-      return TaskKind::kInputGrad;
-    case 'W':
-      return TaskKind::kWeightGrad;
-    default:
-      break;
-  }
-  MPMD_CHECK(false, "schedule: unknown task kind '", letter,
-             "'; use F (forward), B (backward), I (input grad) or W (weight "
-             "grad)");
-  return TaskKind::kForward;
-}
-
 std::string to_string(const Task& task) {
   return detail::str_cat(kind_letter(task.kind), "(stage=", task.stage,
                          ", mb=", task.microbatch, ")");
@@ -49,6 +16,8 @@ std::string to_action(const Task& task) {
 }
 
 Task parse_action(const std::string& text) {
+  const std::string expected = detail::str_cat(
+      "': expected <stage><", kind_letters(), "><microbatch>, e.g. '2F5'");
   size_t i = 0;
   const auto number = [&]() {
     const size_t start = i;
@@ -57,19 +26,15 @@ Task parse_action(const std::string& text) {
       ++i;
     }
     MPMD_CHECK(i > start && i - start <= 9, "schedule: cannot read action '",
-               text, "': expected <stage><F|B|I|W><microbatch>, e.g. '2F5'");
+               text, expected);
     return static_cast<int32_t>(std::stol(text.substr(start, i - start)));
   };
   Task task;
   task.stage = number();
-  MPMD_CHECK(i < text.size(), "schedule: cannot read action '", text,
-             "': expected <stage><F|B|I|W><microbatch>, e.g. '2F5'");
+  MPMD_CHECK(i < text.size(), "schedule: cannot read action '", text, expected);
   const char letter = text[i++];
-  MPMD_CHECK(std::string("FBIW").find(letter) != std::string::npos,
-             "schedule: cannot read action '", text, "': unknown task kind '",
-             letter,
-             "'; use F (forward), B (backward), I (input grad) or W (weight "
-             "grad)");
+  MPMD_CHECK(is_kind_letter(letter), "schedule: cannot read action '", text,
+             "': unknown task kind '", letter, "'; use ", kind_list());
   task.kind = kind_from_letter(letter);
   task.microbatch = number();
   MPMD_CHECK(i == text.size(), "schedule: cannot read action '", text,

@@ -1,24 +1,16 @@
 // Tasks: the unit a schedule orders. A schedule is, per rank, an ordered list
-// of tasks (JaxPP's model), each the forward or a backward piece of one stage
-// on one microbatch.
+// of tasks (JaxPP's model), each one piece of work (a kind of task_kinds.h)
+// of one stage on one microbatch.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <vector>
+
+#include "schedule/task_kinds.h"
 
 namespace torchmpmd::schedule {
-
-enum class TaskKind : uint8_t {
-  kForward,     // F
-  kBackward,    // B: full backward (input and weight gradients)
-  kInputGrad,   // I: backward to the stage inputs only; keeps what W needs
-  kWeightGrad,  // W: backward to the weights, from what I kept
-};
-
-char kind_letter(TaskKind kind);
-// 'F', 'B', 'I', 'W' -> kind; throws torchmpmd::Error for anything else.
-TaskKind kind_from_letter(char letter);
 
 struct Task {
   TaskKind kind = TaskKind::kForward;
@@ -33,7 +25,7 @@ struct Task {
     return std::tie(stage, microbatch, kind) <
            std::tie(o.stage, o.microbatch, o.kind);
   }
-  bool is_backward() const { return kind != TaskKind::kForward; }
+  bool is_backward() const { return info(kind).backward; }
 };
 
 // "F(stage=2, mb=5)": for messages.
@@ -42,5 +34,13 @@ std::string to_string(const Task& task);
 std::string to_action(const Task& task);
 // Parses "2F5"; throws torchmpmd::Error naming the text when malformed.
 Task parse_action(const std::string& text);
+
+struct ScheduleSpec {
+  int32_t num_ranks = 0;
+  int32_t num_microbatches = 0;
+  std::vector<int32_t> placement;        // stage -> rank
+  std::vector<std::vector<Task>> tasks;  // per rank, in execution order
+  bool forward_only = false;             // F tasks only (evaluation)
+};
 
 }  // namespace torchmpmd::schedule

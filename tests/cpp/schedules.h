@@ -17,6 +17,7 @@ inline Task F(int s, int m) { return {TaskKind::kForward, s, m}; }
 inline Task B(int s, int m) { return {TaskKind::kBackward, s, m}; }
 inline Task I(int s, int m) { return {TaskKind::kInputGrad, s, m}; }
 inline Task W(int s, int m) { return {TaskKind::kWeightGrad, s, m}; }
+inline Task R(int s, int m) { return {TaskKind::kRecompute, s, m}; }
 
 inline std::vector<int32_t> loop_placement(int stages, int ranks) {
   std::vector<int32_t> p(stages);
@@ -78,6 +79,21 @@ inline ScheduleSpec zb_h1(int ranks, int mbs) {
       if (i - w > r) l.push_back(W(r, w++));
     }
     while (w < mbs) l.push_back(W(r, w++));
+  }
+  return spec;
+}
+
+// `spec` with a recompute R(s, m) right before each B(s, m) or I(s, m).
+inline ScheduleSpec with_recompute(ScheduleSpec spec) {
+  for (auto& list : spec.tasks) {
+    std::vector<Task> out;
+    for (const Task& t : list) {
+      if (t.kind == TaskKind::kBackward || t.kind == TaskKind::kInputGrad) {
+        out.push_back(R(t.stage, t.microbatch));
+      }
+      out.push_back(t);
+    }
+    list = std::move(out);
   }
   return spec;
 }

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import _C
+
 __all__ = ["Timeline", "TimelineEvent"]
 
 
@@ -44,12 +46,23 @@ class Timeline:
     def tasks(self) -> list[TimelineEvent]:
         return [e for e in self.events if e.is_task]
 
+    def _stats(self) -> tuple[float, float]:
+        # The native core's one definition, shared with its simulator:
+        # first task start to last task end; idle share of the ranks with tasks.
+        tasks = self.tasks
+        return _C.schedule.timeline_stats(
+            [e.rank for e in tasks], [e.start for e in tasks], [e.end for e in tasks]
+        )
+
     @property
     def step_time(self) -> float:
-        tasks = self.tasks
-        if not tasks:
-            return 0.0
-        return max(e.end for e in tasks) - min(e.start for e in tasks)
+        """From the first task's start to the last task's end (transfers not counted)."""
+        return self._stats()[0]
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of rank-time over the step not spent in tasks, over the ranks with tasks."""
+        return self._stats()[1]
 
     def busy_time(self) -> list[float]:
         busy = [0.0] * self.num_ranks
@@ -61,15 +74,6 @@ class Timeline:
     def ranks(self) -> list[int]:
         """Ranks that have events (one, for a rank's own measured timeline)."""
         return sorted({e.rank for e in self.events})
-
-    @property
-    def bubble_fraction(self) -> float:
-        """Share of rank-time over the step not spent in tasks, over the ranks present."""
-        step = self.step_time
-        ranks = {e.rank for e in self.tasks}
-        if step <= 0 or not ranks:
-            return 0.0
-        return 1.0 - sum(self.busy_time()) / (step * len(ranks))
 
     @staticmethod
     def merge(timelines: Iterable[Timeline]) -> Timeline:

@@ -57,7 +57,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   spec.tasks.resize(ranks);
   while (!in.done()) {
     const uint8_t b = in.next();
-    Task t{static_cast<TaskKind>(b % 4), in.next() % (stages + 1),
+    Task t{static_cast<TaskKind>(b % kNumTaskKinds), in.next() % (stages + 1),
            in.next() % (mbs + 1)};
     spec.tasks[(b >> 2) % ranks].push_back(t);
   }

@@ -1,0 +1,39 @@
+// Per-stage costs, used to order tasks (lower) and to predict timelines
+// (simulate), both through the one machine model of machine.h.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace torchmpmd::schedule {
+
+struct Task;
+
+// Any unit works as long as it is the same for all fields (microseconds is
+// typical).
+struct Costs {
+  std::vector<double> forward;      // per stage
+  std::vector<double> backward;     // B
+  std::vector<double> input_grad;   // I
+  std::vector<double> weight_grad;  // W
+  // Bytes of activations one microbatch keeps alive on a stage from F until
+  // its backward; W-only bytes are what stays after I, until W.
+  std::vector<int64_t> activation_bytes;
+  std::vector<int64_t> weight_grad_bytes;
+  double latency = 0;         // per message
+  double bytes_per_unit = 0;  // link bandwidth; 0 = infinitely fast
+  bool overlap_comm = true;   // sends run in the background
+
+  // F = 1, B = 2, I = W = 1 per stage, free communication.
+  static Costs uniform(int32_t num_stages, double forward = 1,
+                       double backward = 2, double input_grad = 1,
+                       double weight_grad = 1);
+  // The cost of a task: the field its kind names in the task-kind table.
+  double of(const Task& task) const;
+  // Time the link is busy with one message (the machine model adds latency
+  // and contention).
+  double wire_time(int64_t bytes) const;
+  void check(int32_t num_stages) const;
+};
+
+}  // namespace torchmpmd::schedule

@@ -1,0 +1,53 @@
+#include "schedule/instruction.h"
+
+#include <algorithm>
+
+#include "util/check.h"
+
+namespace torchmpmd::schedule {
+
+std::string to_string(const Instruction& ins) {
+  const char* what = ins.payload == Payload::kActivation ? "act"
+                     : ins.payload == Payload::kGrad     ? "grad"
+                                                         : "tied";
+  switch (ins.op) {
+    case Op::kCompute:
+      return to_action(ins.task);
+    case Op::kSend:
+      return detail::str_cat("SEND_", what, "(v", ins.value, " mb",
+                             ins.microbatch, " ->r", ins.peer, " #", ins.tag,
+                             ")");
+    case Op::kRecv:
+      return detail::str_cat("RECV_", what, "(v", ins.value, " mb",
+                             ins.microbatch, " <-r", ins.peer, " #", ins.tag,
+                             ")");
+    case Op::kReduceTied:
+      return detail::str_cat("REDUCE_tied(p", ins.value, ")");
+  }
+  return "?";
+}
+
+bool reads(const Instruction& user, const Instruction& recv) {
+  if (recv.op != Op::kRecv) return false;
+  if (user.op == Op::kReduceTied) {
+    return recv.payload == Payload::kTiedGrad && recv.value == user.value;
+  }
+  if (user.op != Op::kCompute || recv.microbatch != user.task.microbatch) {
+    return false;
+  }
+  const Task& t = user.task;
+  const TaskKindInfo& kind = info(t.kind);
+  switch (recv.payload) {
+    case Payload::kActivation:
+      return kind.reads_activations &&
+             std::find(recv.stages.begin(), recv.stages.end(), t.stage) !=
+                 recv.stages.end();
+    case Payload::kGrad:
+      return kind.reads_grads && recv.src_stage == t.stage;
+    case Payload::kTiedGrad:
+      break;
+  }
+  return false;
+}
+
+}  // namespace torchmpmd::schedule

@@ -1,0 +1,50 @@
+#include "schedule/machine.h"
+
+#include <algorithm>
+
+#include "util/check.h"
+
+namespace torchmpmd::schedule {
+
+Machine::Machine(int32_t num_ranks, Costs costs)
+    : costs_(std::move(costs)), clock_(num_ranks, 0.0), posted_(num_ranks) {}
+
+Machine::Interval Machine::send(int32_t rank, const Instruction& ins) {
+  double& free_at = link_free_[{rank, ins.peer}];
+  const double start = std::max(clock_.at(rank), free_at);
+  free_at = start + costs_.wire_time(ins.bytes);
+  const double arrive = free_at + costs_.latency;
+  arrival_[{rank, ins.peer, ins.tag}] = arrive;
+  if (!costs_.overlap_comm) clock_[rank] = free_at;
+  return {start, arrive};
+}
+
+void Machine::post(int32_t rank, const Instruction& ins) {
+  posted_.at(rank).push_back(ins);
+}
+
+std::optional<double> Machine::ready(int32_t rank,
+                                     const Instruction& ins) const {
+  double start = clock_.at(rank);
+  for (const Instruction& recv : posted_.at(rank)) {
+    if (!reads(ins, recv)) continue;
+    const auto it = arrival_.find({recv.peer, rank, recv.tag});
+    if (it == arrival_.end()) return std::nullopt;
+    start = std::max(start, it->second);
+  }
+  return start;
+}
+
+double Machine::run(int32_t rank, const Instruction& ins, double start) {
+  auto& pending = posted_.at(rank);
+  pending.erase(
+      std::remove_if(pending.begin(), pending.end(),
+                     [&](const Instruction& recv) { return reads(ins, recv); }),
+      pending.end());
+  const double end =
+      ins.op == Op::kCompute ? start + costs_.of(ins.task) : start;
+  clock_.at(rank) = end;
+  return end;
+}
+
+}  // namespace torchmpmd::schedule

@@ -1,0 +1,58 @@
+// The one machine model: lower() runs a schedule on it to choose the global
+// order of tasks, simulate() runs the lowered program on it to predict the
+// timeline, so the order is chosen by the same times that are predicted.
+//
+// Each rank runs one task at a time; a task takes its cost (Costs::of). A
+// message occupies the link from its sender to its receiver for its wire
+// time (bytes over bandwidth), one message at a time per link, and arrives
+// `latency` after it leaves the wire. With `overlap_comm` the sender goes on
+// computing meanwhile; without it, the sender is busy for the wire time. A
+// task starts when its rank is free and every message it reads has arrived.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "schedule/costs.h"
+#include "schedule/instruction.h"
+
+namespace torchmpmd::schedule {
+
+class Machine {
+ public:
+  struct Interval {
+    double start = 0;
+    double end = 0;
+  };
+
+  Machine(int32_t num_ranks, Costs costs);
+
+  // When `rank` is next free.
+  double clock(int32_t rank) const { return clock_.at(rank); }
+  double compute_time(const Task& task) const { return costs_.of(task); }
+  // Starts the send `ins` of `rank` once the rank and the link are free;
+  // returns when it left and when it arrives.
+  Interval send(int32_t rank, const Instruction& ins);
+  // Posts the receive `ins` of `rank`.
+  void post(int32_t rank, const Instruction& ins);
+  // Earliest start of the compute or reduce `ins` on `rank`: its clock and
+  // the arrival of every posted receive it reads; nullopt while one of them
+  // has not been sent yet.
+  std::optional<double> ready(int32_t rank, const Instruction& ins) const;
+  // Runs `ins` from `start` (at least ready()), consuming the receives it
+  // reads; returns its end (a reduce takes no time).
+  double run(int32_t rank, const Instruction& ins, double start);
+
+ private:
+  Costs costs_;
+  std::vector<double> clock_;
+  std::map<std::pair<int32_t, int32_t>, double> link_free_;  // (src, dst)
+  std::map<std::tuple<int32_t, int32_t, int64_t>, double> arrival_;
+  std::vector<std::vector<Instruction>> posted_;  // per rank, not yet read
+};
+
+}  // namespace torchmpmd::schedule

@@ -1,0 +1,178 @@
+#include "schedule/validate.h"
+
+#include <algorithm>
+
+#include "schedule/grid.h"
+#include "util/check.h"
+
+namespace torchmpmd::schedule {
+
+namespace {
+
+// The task of (stage, mb) that emits its input gradients: the first kind of
+// the table that does and that the schedule has (B, else I).
+Task input_grad_producer(const TaskPositions& pos, int32_t stage, int32_t mb) {
+  Task last{TaskKind::kForward, stage, mb};
+  for (const TaskKindInfo& k : task_kinds()) {
+    if (!k.emits_input_grads) continue;
+    last.kind = k.kind;
+    if (pos.has(last)) return last;
+  }
+  return last;
+}
+
+}  // namespace
+
+TaskPositions::TaskPositions(int32_t num_stages, int32_t num_microbatches)
+    : num_microbatches_(num_microbatches),
+      where_(static_cast<size_t>(num_stages) * num_microbatches *
+             kNumTaskKinds) {}
+
+size_t TaskPositions::index(const Task& t) const {
+  return (static_cast<size_t>(t.stage) * num_microbatches_ + t.microbatch) *
+             kNumTaskKinds +
+         static_cast<size_t>(t.kind);
+}
+
+std::vector<Task> dependencies(const Task& t, const Flow& flow,
+                               const TaskPositions& pos, bool forward_only) {
+  std::vector<Task> deps;
+  const int32_t mb = t.microbatch;
+  for (const Dependency& d : info(t.kind).needs) {
+    switch (d.need) {
+      case Need::kOwn:
+        deps.push_back({d.kind, t.stage, mb});
+        break;
+      case Need::kOwnIfScheduled:
+        if (pos.has({d.kind, t.stage, mb}))
+          deps.push_back({d.kind, t.stage, mb});
+        break;
+      case Need::kProducerForwards:
+        for (const int32_t v : flow.reads[t.stage]) {
+          deps.push_back({d.kind, flow.producer.at(v), mb});
+        }
+        break;
+      case Need::kConsumerInputGrads:
+        if (forward_only) break;
+        for (const int32_t v : flow.produces[t.stage]) {
+          if (!flow.requires_grad.at(v)) continue;
+          for (const int32_t c : flow.consumers.at(v)) {
+            deps.push_back(input_grad_producer(pos, c, mb));
+          }
+        }
+        break;
+    }
+  }
+  std::sort(deps.begin(), deps.end());
+  deps.erase(std::unique(deps.begin(), deps.end()), deps.end());
+  return deps;
+}
+
+TaskPositions locate(const PipelineGraph& graph, const ScheduleSpec& spec) {
+  const int32_t S = graph.num_stages;
+  const int32_t M = spec.num_microbatches;
+  const int32_t R = spec.num_ranks;
+  MPMD_CHECK(R > 0, "schedule: num_ranks must be positive, got ", R);
+  MPMD_CHECK(M > 0, "schedule: num_microbatches must be positive, got ", M);
+  MPMD_CHECK(static_cast<int32_t>(spec.placement.size()) == S,
+             "schedule: the placement has ", spec.placement.size(),
+             " entries but the pipeline has ", S,
+             " stages; give one rank per stage");
+  MPMD_CHECK(static_cast<int32_t>(spec.tasks.size()) == R,
+             "schedule: got task lists for ", spec.tasks.size(),
+             " ranks but num_ranks is ", R);
+  std::vector<int32_t> stages_on(R, 0);
+  for (int32_t s = 0; s < S; ++s) {
+    const int32_t r = spec.placement[s];
+    MPMD_CHECK(r >= 0 && r < R, "schedule: the placement puts stage ", s,
+               " on rank ", r, ", but there are only ", R, " ranks");
+    ++stages_on[r];
+  }
+  for (int32_t r = 0; r < R; ++r) {
+    MPMD_CHECK(stages_on[r] > 0, "schedule: rank ", r,
+               " holds no stage; use at most as many ranks as stages (", S,
+               ")");
+  }
+
+  TaskPositions pos(S, M);
+  for (int32_t r = 0; r < R; ++r) {
+    const auto& list = spec.tasks[r];
+    for (int32_t i = 0; i < static_cast<int32_t>(list.size()); ++i) {
+      const Task& t = list[i];
+      MPMD_CHECK(t.stage >= 0 && t.stage < S, "schedule: rank ", r,
+                 " position ", i, ": task ", to_string(t),
+                 " names a stage outside 0..", S - 1, grid_for(spec, {{r, i}}));
+      MPMD_CHECK(t.microbatch >= 0 && t.microbatch < M, "schedule: rank ", r,
+                 " position ", i, ": task ", to_string(t),
+                 " names a microbatch outside 0..", M - 1,
+                 grid_for(spec, {{r, i}}));
+      MPMD_CHECK(!spec.forward_only || info(t.kind).in_forward_only,
+                 "schedule: rank ", r, " position ", i, ": task ", to_string(t),
+                 " in a forward-only program", grid_for(spec, {{r, i}}));
+      MPMD_CHECK(spec.placement[t.stage] == r, "schedule: task ", to_string(t),
+                 " is on rank ", r, ", but stage ", t.stage,
+                 " is placed on rank ", spec.placement[t.stage],
+                 ": all tasks of a stage run on the rank that holds it",
+                 grid_for(spec, {{r, i}}));
+      Position& slot = pos.at(t);
+      MPMD_CHECK(!slot.present(), "schedule: task ", to_string(t),
+                 " appears twice (rank ", slot.rank, " position ", slot.index,
+                 " and rank ", r, " position ", i, ")",
+                 grid_for(spec, {{slot.rank, slot.index}, {r, i}}));
+      slot = {r, i};
+    }
+  }
+
+  for (int32_t s = 0; s < S; ++s) {
+    for (int32_t m = 0; m < M; ++m) {
+      const int32_t r = spec.placement[s];
+      for (const TaskKindInfo& k : task_kinds()) {
+        const Task t{k.kind, s, m};
+        MPMD_CHECK(!k.required || pos.has(t), "schedule: task ", to_string(t),
+                   " is missing: rank ", r, " must run it", grid_for(spec, {}));
+      }
+      if (spec.forward_only) continue;
+      // The backward is either B, or I and W: a rule between kinds.
+      const Task b{TaskKind::kBackward, s, m};
+      const Task in{TaskKind::kInputGrad, s, m};
+      const Task w{TaskKind::kWeightGrad, s, m};
+      MPMD_CHECK(!(pos.has(b) && (pos.has(in) || pos.has(w))),
+                 "schedule: stage ", s, " microbatch ", m,
+                 " has both a full backward ", to_string(b),
+                 " and a split one (I/W); use one or the other",
+                 grid_for(spec, {{pos.at(b).rank, pos.at(b).index}}));
+      MPMD_CHECK(pos.has(b) || (pos.has(in) && pos.has(w)), "schedule: stage ",
+                 s, " microbatch ", m, " has ",
+                 pos.has(in)  ? "I but no W"
+                 : pos.has(w) ? "W but no I"
+                              : "no backward",
+                 ": rank ", r, " must run ", to_string(b), " or both ",
+                 to_string(in), " and ", to_string(w), grid_for(spec, {}));
+    }
+  }
+  return pos;
+}
+
+void validate(const PipelineGraph& graph, const ScheduleSpec& spec) {
+  const TaskPositions pos = locate(graph, spec);
+  const Flow flow(graph);
+  for (int32_t r = 0; r < spec.num_ranks; ++r) {
+    const auto& list = spec.tasks[r];
+    for (int32_t i = 0; i < static_cast<int32_t>(list.size()); ++i) {
+      for (const Task& dep :
+           dependencies(list[i], flow, pos, spec.forward_only)) {
+        const Position& p = pos.at(dep);
+        MPMD_CHECK(p.present(), "schedule: ", to_string(list[i]),
+                   " depends on ", to_string(dep), ", which no rank runs",
+                   grid_for(spec, {{r, i}}));
+        MPMD_CHECK(p.rank != r || p.index < i, "schedule: rank ", r, " runs ",
+                   to_string(list[i]), " (position ", i, ") before ",
+                   to_string(dep), " (position ", p.index,
+                   "), which it depends on",
+                   grid_for(spec, {{r, i}, {r, p.index}}));
+      }
+    }
+  }
+}
+
+}  // namespace torchmpmd::schedule
