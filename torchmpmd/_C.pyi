@@ -3,6 +3,7 @@
 # here, so the type checker (mypy, in CI) sees no Any cross the boundary.
 from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
+from typing import ClassVar
 
 import torch
 from torch.distributed import ProcessGroup
@@ -94,12 +95,13 @@ class graph:
     def partition(graph: graph.StageGraph, spec: graph.SplitSpec) -> graph.StagePlan: ...
 
 class schedule:
-    class TaskKind(Enum):
-        F = ...
-        B = ...
-        I = ...
-        W = ...
-        R = ...
+    # Members come from the native task-kind table (csrc/schedule/task_kinds.cpp),
+    # one per letter: F, B, I, W, R, ... Look them up as TaskKind.__members__[letter].
+    class TaskKind:
+        __members__: ClassVar[dict[str, schedule.TaskKind]]
+        @property
+        def name(self) -> str: ...
+        def __int__(self) -> int: ...
 
     class Task:
         kind: schedule.TaskKind

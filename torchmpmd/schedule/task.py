@@ -41,7 +41,7 @@ class Task:
 
     def _native(self) -> _C.schedule.Task:
         return _C.schedule.Task(
-            getattr(_C.schedule.TaskKind, self.kind), self.stage, self.microbatch
+            _C.schedule.TaskKind.__members__[self.kind], self.stage, self.microbatch
         )
 
 

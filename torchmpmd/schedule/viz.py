@@ -10,7 +10,7 @@ from .timeline import Timeline
 
 __all__ = ["plot"]
 
-_COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#C44E52", "R": "#937860"}
+_COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#C44E52"}
 _OTHER = "#8172B3"  # any other task kind
 
 
