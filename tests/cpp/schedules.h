@@ -3,9 +3,11 @@
 #pragma once
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 #include "schedule/program.h"
+#include "util/check.h"
 
 namespace torchmpmd::testing {
 
@@ -18,6 +20,17 @@ inline Task B(int s, int m) { return {TaskKind::kBackward, s, m}; }
 inline Task I(int s, int m) { return {TaskKind::kInputGrad, s, m}; }
 inline Task W(int s, int m) { return {TaskKind::kWeightGrad, s, m}; }
 inline Task R(int s, int m) { return {TaskKind::kRecompute, s, m}; }
+
+// The error lowering `s` raises, or "<no error>".
+inline std::string lower_error(const schedule::PipelineGraph& g,
+                               const ScheduleSpec& s) {
+  try {
+    schedule::lower(g, s, schedule::Costs::uniform(g.num_stages));
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "<no error>";
+}
 
 inline std::vector<int32_t> loop_placement(int stages, int ranks) {
   std::vector<int32_t> p(stages);

@@ -24,15 +24,6 @@ using schedule::simulate;
 using namespace torchmpmd::testing;
 using ::testing::HasSubstr;
 
-std::string lower_error(const PipelineGraph& g, const ScheduleSpec& s) {
-  try {
-    lower(g, s, Costs::uniform(g.num_stages));
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "<no error>";
-}
-
 // The messages of a rank, without their order (R changes the timing, and so
 // the global order and the tags).
 std::multiset<std::string> messages(const Program& p, int32_t rank) {

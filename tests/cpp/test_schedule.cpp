@@ -26,15 +26,6 @@ using schedule::simulate;
 using namespace torchmpmd::testing;
 using ::testing::HasSubstr;
 
-std::string lower_error(const PipelineGraph& g, const ScheduleSpec& s) {
-  try {
-    lower(g, s, Costs::uniform(g.num_stages));
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "<no error>";
-}
-
 // For every pair of ranks, the messages between them must appear in the same
 // order on both sides, with matching tags and payloads.
 void expect_pair_order_agrees(const Program& p) {
