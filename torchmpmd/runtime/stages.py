@@ -32,13 +32,13 @@ class Step:
 
     inputs: list[list[Any]]  # per microbatch, the model's flat inputs
     targets: list[Any]  # per microbatch (None without a target)
-    losses: list[torch.Tensor | None] = field(default_factory=list)  # training
-    outputs: list[list[Any] | None] = field(default_factory=list)  # evaluation
+    # Per microbatch, filled by the last stage's forward:
+    losses: list[torch.Tensor | None] = field(init=False)  # training
+    outputs: list[list[Any] | None] = field(init=False)  # evaluation
 
     def __post_init__(self) -> None:
-        m = len(self.inputs)
-        self.losses = [None] * m
-        self.outputs = [None] * m
+        self.losses = [None] * len(self.inputs)
+        self.outputs = [None] * len(self.inputs)
 
 
 class LocalStages:
