@@ -75,6 +75,9 @@ struct Executor::State {
   std::map<Key, at::Tensor> rng;                   // recomputed: F -> R
   std::map<Key, std::map<int32_t, at::Tensor>> grad_parts;
   std::map<int32_t, std::map<int32_t, at::Tensor>> tied_parts;
+  // The .grad a tied parameter had before this step (earlier steps'
+  // accumulation), held aside so that only this step's part is exchanged.
+  std::map<int32_t, at::Tensor> tied_before;
   std::map<size_t, Posted> recvs;
   std::vector<Sending> sends;
   std::vector<bool> issued;
@@ -562,6 +565,12 @@ void Executor::reduce_tied(const Instruction& ins, State& st) {
   for (auto& [r, part] : parts) {  // ascending rank: equal on every holder
     total = total.defined() ? total.add(part) : part.clone();
   }
+  // Earlier steps' gradient, equal on every holder, goes back on top.
+  const auto before = st.tied_before.find(ins.value);
+  if (before != st.tied_before.end()) {
+    total = before->second.add(total);
+    st.tied_before.erase(before);
+  }
   param.mutable_grad() = total;
 }
 
@@ -622,6 +631,24 @@ void Executor::run(const StageFunctions& functions) {
                             std::chrono::system_clock::now().time_since_epoch())
                             .count();
   records_.clear();
+  // Tied parameters start the step without their earlier gradient; a step
+  // that fails before its sum gives it back under what it accumulated.
+  for (const Instruction& ins : code_) {
+    if (ins.op != Op::kReduceTied) continue;
+    at::Tensor& grad = tied_.at(ins.value).mutable_grad();
+    if (grad.defined()) st.tied_before[ins.value] = std::move(grad);
+    grad = at::Tensor();
+  }
+  struct RestoreTied {
+    State& st;
+    std::map<int32_t, at::Tensor>& tied;
+    ~RestoreTied() {
+      for (auto& [id, before] : st.tied_before) {
+        at::Tensor& grad = tied.at(id).mutable_grad();
+        grad = grad.defined() ? before.add(grad) : before;
+      }
+    }
+  } restore_tied{st, tied_};
   try {
     for (size_t pc = 0; pc < code_.size(); ++pc) {
       execute(pc, st);
