@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch.func import functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
 
 __all__: list[str] = []
@@ -46,6 +47,15 @@ def _ancestors(roots: Iterable[fx.Node]) -> set[fx.Node]:
         seen.add(n)
         stack.extend(n.all_input_nodes)
     return seen
+
+
+def _mutates(node: fx.Node) -> bool:
+    target = node.target
+    return (
+        node.op == "call_function"
+        and isinstance(target, torch._ops.OpOverload)
+        and target._schema.is_mutable
+    )
 
 
 def _subgraph(
@@ -122,6 +132,16 @@ def split_joint(
 
     with _TRACE_LOCK, torch.enable_grad():
         gm = make_fx(joint)(p_ex, x_ex, tangents_ex)
+    if any(_mutates(n) for n in gm.graph.nodes):
+        # A backward formula that writes in place (adaptive pooling's `copy_`
+        # into a view of a fresh buffer) leaves a node nothing reads, which a
+        # cut by dataflow would drop. Functionalised, the write is a value.
+        with _TRACE_LOCK:
+            gm = make_fx(functionalize(gm, remove="mutations"))(
+                [p.detach() for p in p_ex],
+                [x.detach() for x in x_ex],
+                tangents_ex,
+            )
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     n_p, n_x = len(params), len(inputs)
@@ -137,6 +157,13 @@ def split_joint(
     backward = {n for n in gm.graph.nodes if n.op == "call_function" and n not in forward_part}
     input_part = _ancestors(grads_x) & backward
     weight_part = (_ancestors(grads_p) & backward) - input_part
+    dropped = [n for n in backward - input_part - weight_part if _mutates(n)]
+    if dropped:
+        raise RuntimeError(
+            "split backward: the traced backward writes in place in a way the I/W cut cannot "
+            f"place ({', '.join(f'{n.name} = {n.target}' for n in dropped)}); "
+            "use full backward (B) for this stage"
+        )
     # A projection of a multi-output op lives with the op, so only tensors
     # (never tuples) cross from one graph to the next.
     for node in gm.graph.nodes:

@@ -68,7 +68,8 @@ def _stage_function(
     tensor_slots = [i for i, v in enumerate(user_all) if isinstance(v, torch.Tensor)]
     last = stage == stages.last
     target_leaves, target_spec = pytree.tree_flatten(target)
-    target_consts = [None if isinstance(v, torch.Tensor) else v for v in target_leaves]
+    # A tensor leaf is fed in at run time; any other leaf (None too) is baked in.
+    is_tensor = [isinstance(v, torch.Tensor) for v in target_leaves]
 
     def fn(
         params: list[torch.Tensor], buffers: list[torch.Tensor], xs: list[torch.Tensor]
@@ -84,7 +85,8 @@ def _stage_function(
             return stages.sends_and_loss(stage, outs, None, 0)[0]
         rest = iter(xs[len(tensor_slots) + n_received :])
         target = pytree.tree_unflatten(
-            [next(rest) if c is None else c for c in target_consts], target_spec
+            [next(rest) if t else v for v, t in zip(target_leaves, is_tensor, strict=True)],
+            target_spec,
         )
         sends, loss = stages.sends_and_loss(stage, outs, target, 0)
         if loss is None:
