@@ -186,3 +186,31 @@ def test_pipe_rejects_inputs_unlike_the_trace():
     # Keyword order does not matter.
     reordered = dict(reversed(list(kwargs.items())))
     assert torch.equal(pipe(*args, **reordered)["y"], model(*args, **kwargs)["y"])
+
+
+def test_model_returning_nothing_is_told_to_return_its_output():
+    class NoOutput(MLP):
+        def forward(self, x):
+            super().forward(x)
+
+    model = NoOutput(8, 4)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "NoOutput.forward returns no tensor computed from its inputs (it returned None)"
+        ),
+    ):
+        mpmd.trace(model, (torch.randn(2, 8),), split_before=["layers.2"])
+
+
+def test_example_args_as_a_list_or_missing_say_what_to_pass():
+    model, (x,) = _mlp()
+    with pytest.raises(TypeError, match=re.escape("example_args is a list; pass the positional")):
+        mpmd.trace(model, [x], split_before=["layers.2"])
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            "the example inputs do not fit MLP.forward(x): missing a required argument"
+        ),
+    ):
+        mpmd.trace(model, split_before=["layers.2"])

@@ -250,6 +250,12 @@ class GraphBuilder:
         g.buffer_updates = updates
         return g
 
+    def describe_outputs(self) -> str:
+        """What the traced forward returned, for messages: 'None', '(3, None)'."""
+        flat = [v.name if isinstance(v, fx.Node) else repr(v) for v in self.user_outputs]
+        value = pytree.tree_unflatten(flat, self.out_spec)
+        return str(value).replace("'", "")
+
     def _example_of(self, node: fx.Node) -> Any:
         return next(u.example for u in self.user_inputs if u.node is node)
 

@@ -11,6 +11,7 @@ own names.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import operator
 import traceback
 import warnings
@@ -61,8 +62,15 @@ def trace(
             "mpmd.trace: pass split_before or split_after, not both; "
             "a stage boundary is either at the start or at the end of a module"
         )
+    if isinstance(example_args, list):
+        raise TypeError(
+            "mpmd.trace: example_args is a list; pass the positional arguments of one "
+            "microbatch as a tuple, e.g. (x,) or (x, mask); a single list argument is "
+            "written ([a, b],)"
+        )
     args = example_args if isinstance(example_args, tuple) else (example_args,)
     kwargs = dict(example_kwargs or {})
+    _check_signature(model, args, kwargs)
     points = split_before if split_before is not None else split_after
     if isinstance(points, str):
         raise TypeError(
@@ -78,8 +86,10 @@ def trace(
     graph = functional.graph_module.graph
     _restore_no_grad_regions(graph, exported)
     del exported
-    marker_after = _remove_markers(graph)
+    # Asserts first: a marker's boundary is the node after it, never a check
+    # that is about to go.
     _remove_asserts(graph)
+    marker_after = _remove_markers(graph)
     graph.lint()
 
     if points is not None and marker_after:
@@ -90,6 +100,12 @@ def trace(
         )
     builder = GraphBuilder(model, functional, args, kwargs)
     stage_graph = builder.serialise()
+    if not stage_graph.outputs:
+        raise ValueError(
+            f"mpmd.trace: {type(model).__name__}.forward returns no tensor computed from its "
+            f"inputs (it returned {builder.describe_outputs()}); a pipeline needs the model's "
+            "output (or its loss): return it from forward"
+        )
     if points is None:
         mode = _C.graph.SplitMode.markers
     elif split_before is not None:
@@ -107,6 +123,26 @@ def trace(
 
 
 # --------------------------------------------------------------------------- export
+
+
+def _check_signature(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Rejects example inputs that cannot be a call of `model.forward`."""
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # not introspectable: export will say
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as err:
+        params = ", ".join(
+            str(p.replace(annotation=inspect.Parameter.empty, default=inspect.Parameter.empty))
+            for p in signature.parameters.values()
+        )
+        raise TypeError(
+            f"mpmd.trace: the example inputs do not fit {type(model).__name__}.forward"
+            f"({params}): {err}; pass one microbatch of the model's inputs, e.g. "
+            "mpmd.trace(model, (x,), {'attention_mask': mask})"
+        ) from None
 
 
 class _ModuleTracker:
@@ -213,6 +249,12 @@ def _restore_no_grad_regions(graph: fx.Graph, exported: ExportedProgram) -> None
         if node.op != "call_function":
             continue
         parent = node.args[0] if node.target is operator.getitem else None
+        # A stage marker is an identity in eager mode, even under no_grad: the
+        # gradient flows through it, so it is never part of a region.
+        if node.target is STAGE_END_OP or (
+            isinstance(parent, fx.Node) and parent.target is STAGE_END_OP
+        ):
+            continue
         if parent in inside or any(src in regions for src in _node_sources(node)):
             inside.add(node)
     for node in list(graph.nodes):
