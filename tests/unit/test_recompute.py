@@ -117,3 +117,27 @@ def test_recompute_replays_the_forwards_random_numbers(cls, matches_eager):
         torch.testing.assert_close(g, plain[name], rtol=0, atol=0, msg=name)
         if matches_eager:
             torch.testing.assert_close(g, ref_grads[name], rtol=1e-10, atol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("cls", [S.OneFOneB, S.ZeroBubbleH1])
+def test_runner_recompute_policy_matches_gradient_accumulation(cls):
+    pipe = traced("gpt", 2)
+    local = LocalPipeline(pipe, cls(M), 2, loss_fn=CASES["gpt"].loss, timeout=60, recompute=True)
+    batch, target = data("gpt", M)
+    for out, runner in zip(local.step(batch, target=target), local.runners, strict=True):
+        check("gpt", out.loss, runner, M)
+        assert sum(e.kind == "R" for e in runner.timeline.tasks) == M * len(runner.local_stages)
+
+
+def test_recompute_keeps_one_microbatch_of_activations_per_stage():
+    pipe = traced("gpt", 2)
+    plain = mpmd.compile_schedule(S.GPipe(M), pipe, 2).simulate()
+    recomputed = mpmd.compile_schedule(S.GPipe(M).with_recompute(), pipe, 2).simulate()
+    for before, after in zip(
+        plain.peak_activation_bytes, recomputed.peak_activation_bytes, strict=True
+    ):
+        assert after * M == before  # all M microbatches in flight, then one at a time
+    only_last = mpmd.compile_schedule(S.GPipe(M).with_recompute([1]), pipe, 2).simulate()
+    assert only_last.peak_activation_bytes[0] == plain.peak_activation_bytes[0]
+    with pytest.raises(ValueError, match=r"with_recompute: stages \[7\] do not exist"):
+        mpmd.compile_schedule(S.GPipe(M).with_recompute([7]), pipe, 2)

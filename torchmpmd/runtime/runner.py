@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -42,6 +42,9 @@ class PipelineRunner:
     the copies of tied parameters receive the same summed gradient, so any
     optimizer keeps them equal.
 
+    `recompute=True` (or a collection of stage indices) runs those stages
+    with activation checkpointing: `schedule.with_recompute(...)`.
+
     The ranks talk over `group` (a torch.distributed process group; default:
     the world) or any `transport` (`torchmpmd.runtime.transport`), e.g. the
     in-process one of `torchmpmd.testing`. Call `step` (and `eval_step`) on
@@ -62,12 +65,15 @@ class PipelineRunner:
         max_early_recvs: int = 64,
         split_backward: bool | str = "auto",
         compile: bool | Mapping[str, Any] = False,
+        recompute: bool | Iterable[int] = False,
     ) -> None:
         if not isinstance(pipe, Pipe):
             raise TypeError(f"PipelineRunner needs an mpmd.Pipe, got {type(pipe).__name__}")
         self._transport = _connect(group, transport)
         self.rank: int = self._transport.rank
         self.num_ranks: int = self._transport.size
+        if recompute is not False:
+            schedule = schedule.with_recompute(None if recompute is True else recompute)
         self._pipe = pipe
         self._schedule = schedule
         self._timeout = (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .. import _C
@@ -96,6 +96,17 @@ class Schedule:
             writer.writerow([str(t) for t in rank])
         return out.getvalue()
 
+    def with_recompute(self, stages: Iterable[int] | None = None) -> Schedule:
+        """This schedule with a recompute (R) right before each backward (B or I)
+        of `stages` (default: every stage).
+
+        Their forwards then keep only their received inputs, and the backward
+        runs the forward again first (stage-level activation checkpointing):
+        a stage holds one microbatch's activations instead of one per
+        microbatch in flight, for one more forward per microbatch.
+        """
+        return _Recompute(self, None if stages is None else frozenset(stages))
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_microbatches={self.num_microbatches})"
 
@@ -111,3 +122,34 @@ class _ListSchedule(Schedule):
 
     def tasks(self, num_stages: int, num_ranks: int, num_microbatches: int) -> list[list[Task]]:
         return [list(r) for r in self._lists]
+
+
+class _Recompute(Schedule):
+    def __init__(self, base: Schedule, stages: frozenset[int] | None) -> None:
+        super().__init__(base.num_microbatches)
+        self._base = base
+        self._stages = stages
+
+    def placement(self, num_stages: int, num_ranks: int) -> list[int]:
+        return self._base.placement(num_stages, num_ranks)
+
+    def tasks(self, num_stages: int, num_ranks: int, num_microbatches: int) -> list[list[Task]]:
+        outside = sorted(s for s in self._stages or () if not 0 <= s < num_stages)
+        if outside:
+            raise ValueError(
+                f"with_recompute: stages {outside} do not exist; the pipeline has stages "
+                f"0..{num_stages - 1}"
+            )
+        out = []
+        for rank in self._base.tasks(num_stages, num_ranks, num_microbatches):
+            row = []
+            for t in rank:
+                if t.kind in ("B", "I") and (self._stages is None or t.stage in self._stages):
+                    row.append(Task("R", t.stage, t.microbatch))
+                row.append(t)
+            out.append(row)
+        return out
+
+    def __repr__(self) -> str:
+        which = "" if self._stages is None else f"stages={sorted(self._stages)}"
+        return f"{self._base!r}.with_recompute({which})"
