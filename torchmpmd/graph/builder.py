@@ -354,12 +354,21 @@ class GraphBuilder:
             for spec in self.signature.input_specs
             if spec.kind == InputKind.BUFFER
         }
+        updated = {u.buffer for u in nodes.buffer_updates}
+        written: dict[int, fx.Node] = {}
         for i in nodes.params + nodes.buffers:
             node = self.nodes[i]
             fqn = self._choose_alias(node, nodes, aliases)
             _install(root, fqn, self.state[node.name], persistent.get(self._fqn(node), True))
             env[node] = graph.get_attr(fqn)
             env[node].meta = dict(node.meta)
+            if i in updated:
+                # The stage writes the buffer's new value at its end (BatchNorm
+                # statistics); its readers take a copy, so the write does not
+                # change a tensor autograd saved from the read.
+                written[i] = env[node]
+                env[node] = graph.call_function(torch.ops.aten.clone.default, (written[i],))
+                env[node].meta = dict(node.meta)
         for i in nodes.compute:
             node = self.nodes[i]
             if node.op == "get_attr":
@@ -369,7 +378,7 @@ class GraphBuilder:
         for update in nodes.buffer_updates:
             graph.call_function(
                 torch.ops.aten.copy_.default,
-                (env[self.nodes[update.buffer]], env[self.nodes[update.value]]),
+                (written[update.buffer], env[self.nodes[update.value]]),
             )
         outputs = [self.nodes[i] for i in nodes.sends]
         if s == plan.num_stages - 1:
@@ -387,6 +396,7 @@ class GraphBuilder:
             num_user_inputs=len(nodes.inputs),
             recv_values=nodes.recvs,
             send_values=nodes.sends,
+            updates_buffers=bool(nodes.buffer_updates),
             output_names=tuple(n.name for n in outputs),
             output_specs=tuple(TensorSpec.of(n.meta.get("val")) for n in outputs),
             num_sends=len(nodes.sends),

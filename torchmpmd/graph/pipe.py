@@ -57,6 +57,7 @@ class StageSpec:
     num_sends: int
     recv_values: tuple[int, ...]  # value ids of the received inputs, in order
     send_values: tuple[int, ...]  # value ids of the sent outputs, in order
+    updates_buffers: bool = False  # its forward writes buffers (BatchNorm statistics)
 
 
 @dataclass(frozen=True, slots=True)

@@ -85,6 +85,7 @@ class PipelineRunner:
         self._microbatcher = Microbatcher(pipe, self.num_microbatches, chunk_dims)
         placement = self.program.placement
         self.local_stages = [s for s in range(pipe.num_stages) if placement[s] == self.rank]
+        self._check_recompute()
         self._loss_rank = placement[pipe.num_stages - 1]
         self.device = _pick_device(device, group, c10d=transport is None)
         self._stages = LocalStages(
@@ -104,6 +105,16 @@ class PipelineRunner:
         self._executor = self._make_executor(self.program, training=True)
         self._eval_executor: _C.runtime.Executor | None = None
         self.timeline: Timeline | None = None
+
+    def _check_recompute(self) -> None:
+        recomputed = sorted({t.stage for t in self.program.tasks(self.rank) if t.kind == "R"})
+        for s in recomputed:
+            if self._pipe.stage_specs[s].updates_buffers:
+                raise ValueError(
+                    f"stage {s} (rank {self.rank}) updates buffers in its forward (e.g. BatchNorm "
+                    "running statistics) and its schedule recomputes it (R tasks): the update "
+                    "would apply twice; leave this stage out of recompute"
+                )
 
     def _choose_split(self, split_backward: bool | str) -> set[int]:
         with_iw = {t.stage for t in self.program.tasks(self.rank) if t.kind in ("I", "W")}

@@ -1,0 +1,66 @@
+"""Modules that update buffers in forward (BatchNorm in training mode) must
+train under a pipeline: every step failed with an autograd in-place error
+(the stage wrote the running statistics in place after batch norm saved
+them), and the failed step had already advanced the statistics. Gradients
+and running statistics must equal eager gradient accumulation's; a schedule
+that would apply an update twice (recompute) is refused."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchmpmd as mpmd
+from torchmpmd.testing import LocalPipeline
+
+M = 4
+
+
+class NormedMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.c = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.relu(self.bn(self.a(x))))
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (out - target).square().mean()
+
+
+def _case() -> tuple[NormedMLP, NormedMLP, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = NormedMLP().double()
+    ref = NormedMLP().double()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(4 * M, 8, dtype=torch.float64)
+    y = torch.randn(4 * M, 8, dtype=torch.float64)
+    return model, ref, x, y
+
+
+@pytest.mark.parametrize("cls", [mpmd.schedules.GPipe, mpmd.schedules.OneFOneB])
+def test_batch_norm_trains_like_gradient_accumulation(cls):
+    model, ref, x, y = _case()
+    pipe = mpmd.trace(model, (x[:4],), split_before=["c"])
+    local = LocalPipeline(pipe, cls(M), 2, loss_fn=_loss, timeout=30)
+    for _ in range(2):
+        for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True):
+            (_loss(ref(xb), yb) / M).backward()
+        local.step(x, target=y)
+    for runner in local.runners:
+        for fqn, p in runner.named_parameters():
+            expected = ref.get_parameter(fqn).grad
+            torch.testing.assert_close(p.grad, expected, rtol=1e-10, atol=1e-10, msg=fqn)
+    state = local.runners[0].state_dict()
+    for name in ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked"):
+        torch.testing.assert_close(state[name], ref.get_buffer(name), rtol=0, atol=0, msg=name)
+
+
+def test_recomputing_a_stage_that_updates_buffers_is_refused():
+    model, _, x, _ = _case()
+    pipe = mpmd.trace(model, (x[:4],), split_before=["c"])
+    schedule = mpmd.schedules.GPipe(M).with_recompute()
+    with pytest.raises(ValueError, match=r"stage 0 \(rank 0\) updates buffers in its forward"):
+        LocalPipeline(pipe, schedule, 2, loss_fn=_loss)
