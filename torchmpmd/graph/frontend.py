@@ -15,7 +15,7 @@ import inspect
 import operator
 import traceback
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -84,6 +84,7 @@ def trace(
         exported = _export(model, args, kwargs)
         functional = exported.run_decompositions({})
     graph = functional.graph_module.graph
+    _restore_module_stacks(graph, exported)
     _restore_no_grad_regions(graph, exported)
     del exported
     # Asserts first: a marker's boundary is the node after it, never a check
@@ -178,10 +179,36 @@ def _export(
 ) -> ExportedProgram:
     tracker = _ModuleTracker(model)
     try:
-        with _tracing(), tracker.watch():
+        with _tracing(), tracker.watch(), _reentrant_checkpoints_inlined():
             return torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:  # re-raised with where and what to do
         raise RuntimeError(_trace_failure_message(exc, tracker.stack)) from exc
+
+
+@contextlib.contextmanager
+def _reentrant_checkpoints_inlined() -> Iterator[None]:
+    """Runs reentrant checkpoints (`use_reentrant=True`) as plain calls while tracing.
+
+    The reentrant form runs its region under no_grad inside an autograd
+    Function; export records that region, and everything after it, as
+    no_grad, which would cut the gradient that eager mode gives. Traced as a
+    plain call, the region has the values and gradients of eager mode, as the
+    non-reentrant form has.
+    """
+    function = torch.utils.checkpoint.CheckpointFunction
+    own = function.__dict__.get("apply")  # None: inherited from autograd.Function
+
+    def apply(run: Callable[..., Any], _preserve_rng_state: bool, *args: Any) -> Any:
+        return run(*args)
+
+    setattr(function, "apply", staticmethod(apply))  # noqa: B010 (class attribute)
+    try:
+        yield
+    finally:
+        if own is None:
+            delattr(function, "apply")
+        else:
+            setattr(function, "apply", own)  # noqa: B010
 
 
 def _trace_failure_message(exc: Exception, stack: list[tuple[str, str]]) -> str:
@@ -225,6 +252,60 @@ def _node_sources(node: fx.Node) -> Iterator[tuple[str, int]]:
         src = pending.pop()
         yield src.name, src.graph_id
         pending.extend(getattr(src, "from_node", ()) or ())
+
+
+def _restore_module_stacks(graph: fx.Graph, exported: ExportedProgram) -> None:
+    """Gives nodes that came out of a higher-order region their module path.
+
+    torch.export wraps `torch.no_grad()`, `torch.autocast(...)` and reentrant
+    checkpoint regions into higher-order ops over a submodule; inlined by the
+    decomposition, their nodes keep only the root module in their stack, so a
+    split point inside such a region "never ran". The submodule's own nodes
+    still have their stack: a node takes the stack of its namesake there, and
+    a node with no namesake (a cast autocast inserted) that of its users.
+    """
+    training = exported.graph_module
+    inner: dict[str, dict[str, Any]] = {}  # region node -> inner node name -> stack
+    for node in training.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+            stacks: dict[str, Any] = {}
+            _collect_stacks(training, node, stacks)
+            inner[node.name] = stacks
+    if not inner:
+        return
+    region_id = id(training.graph)
+    orphans = []
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        regions = [inner[n] for n, gid in _node_sources(node) if gid == region_id and n in inner]
+        if not regions:
+            continue
+        stack = regions[0].get(node.name)
+        if stack:
+            node.meta["nn_module_stack"] = dict(stack)
+        else:
+            orphans.append(node)
+    for node in reversed(orphans):
+        users = [u for u in node.users if u.meta.get("nn_module_stack")]
+        if users:
+            node.meta["nn_module_stack"] = dict(users[0].meta["nn_module_stack"])
+
+
+def _collect_stacks(owner: fx.GraphModule, region: fx.Node, out: dict[str, Any]) -> None:
+    for arg in region.args:
+        if not (isinstance(arg, fx.Node) and arg.op == "get_attr"):
+            continue
+        sub = getattr(owner, str(arg.target), None)
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        for node in sub.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if isinstance(node.target, torch._ops.HigherOrderOperator):
+                _collect_stacks(sub, node, out)
+            elif node.meta.get("nn_module_stack"):
+                out[node.name] = node.meta["nn_module_stack"]
 
 
 def _restore_no_grad_regions(graph: fx.Graph, exported: ExportedProgram) -> None:
