@@ -1,9 +1,10 @@
 """Modules that update buffers in forward (BatchNorm in training mode) must
 train under a pipeline: every step failed with an autograd in-place error
 (the stage wrote the running statistics in place after batch norm saved
-them), and the failed step had already advanced the statistics. Gradients
-and running statistics must equal eager gradient accumulation's; a schedule
-that would apply an update twice (recompute) is refused."""
+them), the failed step had already advanced the statistics, and split (I/W)
+stages refused such modules. Gradients and running statistics must equal
+eager gradient accumulation's with full and split backward; a schedule that
+would apply an update twice (recompute) is refused."""
 
 import pytest
 import torch
@@ -40,7 +41,9 @@ def _case() -> tuple[NormedMLP, NormedMLP, torch.Tensor, torch.Tensor]:
     return model, ref, x, y
 
 
-@pytest.mark.parametrize("cls", [mpmd.schedules.GPipe, mpmd.schedules.OneFOneB])
+@pytest.mark.parametrize(
+    "cls", [mpmd.schedules.GPipe, mpmd.schedules.OneFOneB, mpmd.schedules.ZeroBubbleH1]
+)
 def test_batch_norm_trains_like_gradient_accumulation(cls):
     model, ref, x, y = _case()
     pipe = mpmd.trace(model, (x[:4],), split_before=["c"])

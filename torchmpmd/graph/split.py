@@ -235,17 +235,28 @@ class SplitStage:
         compile_options: dict[str, Any] | None,
         loss_output: int | None = None,
     ) -> None:
-        if any(n.target is torch.ops.aten.copy_.default for n in module.graph.nodes):
-            raise ValueError(
-                "this stage updates buffers in its forward (e.g. BatchNorm running statistics); "
-                "split backward (I/W tasks) does not support that: use full backward (B) for it"
-            )
         self._params = [p for _, p in module.named_parameters()]
-        self._buffers = [b for _, b in module.named_buffers()]
+        named_buffers = list(module.named_buffers())
+        self._buffers = [b for _, b in named_buffers]
         n_params = len(self._params)
+        # Buffers the stage writes (BatchNorm statistics): the traced forward
+        # writes into copies and returns their new values after its outputs;
+        # forward() puts them into the buffers, microbatch after microbatch.
+        written = {
+            str(n.args[0].target)
+            for n in module.graph.nodes
+            if n.target is torch.ops.aten.copy_.default
+            and isinstance(n.args[0], fx.Node)
+            and n.args[0].op == "get_attr"
+        }
+        self._updated = [i for i, (name, _) in enumerate(named_buffers) if name in written]
 
         def fn(state: list[torch.Tensor], xs: list[torch.Tensor]) -> list[torch.Tensor]:
-            return stage_fn(state[:n_params], state[n_params:], xs)
+            buffers = list(state[n_params:])
+            for i in self._updated:
+                buffers[i] = buffers[i].clone()
+            outs = stage_fn(state[:n_params], buffers, xs)
+            return [*outs, *(buffers[i] for i in self._updated)]
 
         state = self._params + self._buffers
         self.joint = split_joint(fn, state, example_inputs, grad_inputs)
@@ -262,8 +273,16 @@ class SplitStage:
         return [p.detach() for p in self._params] + list(self._buffers)
 
     def forward(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Stage outputs, then every tensor I and W will need."""
-        return list(self._forward(*self._state(), *inputs))
+        """Stage outputs, then every tensor I and W will need (buffers updated)."""
+        result = list(self._forward(*self._state(), *inputs))
+        if not self._updated:
+            return result
+        end = self.joint.num_outputs
+        start = end - len(self._updated)
+        with torch.no_grad():
+            for i, value in zip(self._updated, result[start:end], strict=True):
+                self._buffers[i].copy_(value)
+        return result[:start] + result[end:]
 
     def input_grad(
         self, saved: Sequence[torch.Tensor], output_grads: Sequence[torch.Tensor | None]
