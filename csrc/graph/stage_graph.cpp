@@ -424,9 +424,10 @@ StagePlan partition(const StageGraph& graph, const SplitSpec& spec) {
         if (stages.size() > 1) {
           MPMD_CHECK(node.transferable, "graph: stages ", stages.back(),
                      " and ", home[i], " both use ", describe(node),
-                     ", whose value is not a single tensor and cannot be "
-                     "sent; move the split point so that it is produced and "
-                     "consumed in one stage");
+                     ", whose value is not a single tensor with a shape "
+                     "known at trace time (a tuple, or a data-dependent shape "
+                     "like nonzero's) and cannot be sent; move the split "
+                     "point so that it is produced and consumed in one stage");
           Transfer t;
           t.value = i;
           t.src_stage = home[i];

@@ -16,7 +16,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from .. import _C
-from .pipe import Pipe, StageSpec, TensorSpec, TransferInfo
+from .pipe import Pipe, StageSpec, TensorSpec, TransferInfo, static_numel
 from .plan import Plan, StageNodes
 
 __all__ = ["GraphBuilder"]
@@ -42,9 +42,14 @@ _REPLICATE_FLOPS_PER_ELEMENT = 64
 # ---------------------------------------------------------------- serialisation
 
 
+def _is_static(val: Any) -> bool:
+    return isinstance(val, torch.Tensor) and static_numel(val) is not None
+
+
 def _tensor_bytes(val: Any) -> int:
+    """Bytes of a traced value; a data-dependent shape counts 0 (it never crosses)."""
     if isinstance(val, torch.Tensor):
-        return val.numel() * val.element_size()
+        return (static_numel(val) or 0) * val.element_size()
     if isinstance(val, (tuple, list)):
         return sum(_tensor_bytes(v) for v in val)
     return 0
@@ -65,8 +70,10 @@ def _shape(x: Any) -> list[int]:
 def _recompute_flops_per_element(node: fx.Node) -> float:
     """Rough cost of recomputing a node, per element of its output."""
     val = node.meta.get("val")
-    out = val.numel() if isinstance(val, torch.Tensor) else 1
     ins = [a.meta.get("val") for a in node.all_input_nodes]
+    if any(isinstance(v, torch.Tensor) and not _is_static(v) for v in [val, *ins]):
+        return math.inf  # data-dependent shapes (MoE routing) stay in their stage
+    out = val.numel() if isinstance(val, torch.Tensor) else 1
     target = node.target
     packet = getattr(target, "overloadpacket", None)
     aten = torch.ops.aten
@@ -281,7 +288,7 @@ class GraphBuilder:
             differentiable=differentiable,
             replicable=replicable,
             attached=attached,
-            transferable=isinstance(val, torch.Tensor),
+            transferable=_is_static(val),
         )
         self.nodes.append(node)
 

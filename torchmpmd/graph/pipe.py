@@ -245,6 +245,12 @@ class Pipe:
         )
 
 
+def static_numel(value: torch.Tensor) -> int | None:
+    """Elements of a traced tensor; None when its shape depends on data (nonzero)."""
+    numel = value.numel()
+    return numel if isinstance(numel, int) else None
+
+
 def unique_named_parameters(
     modules: Iterable[torch.nn.Module],
 ) -> Iterator[tuple[str, torch.nn.Parameter]]:

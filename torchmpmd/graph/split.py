@@ -30,6 +30,8 @@ import torch.utils._pytree as pytree
 from torch.func import functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from .pipe import static_numel
+
 __all__: list[str] = []
 
 # make_fx patches module-level state while it traces: ranks running as
@@ -235,6 +237,23 @@ class SplitStage:
         compile_options: dict[str, Any] | None,
         loss_output: int | None = None,
     ) -> None:
+        dynamic = next(
+            (
+                n
+                for n in module.graph.nodes
+                if isinstance(n.target, torch._ops.OpOverload)
+                and isinstance(n.meta.get("val"), torch.Tensor)
+                and static_numel(n.meta["val"]) is None
+            ),
+            None,
+        )
+        if dynamic is not None:
+            where = list((dynamic.meta.get("nn_module_stack") or {"": ("", "")}).values())[-1][0]
+            raise ValueError(
+                f"{dynamic.target} in module '{where}' computes a tensor whose shape depends on "
+                "the data (e.g. MoE routing); split backward (I/W) traces a stage with the "
+                "shapes of one microbatch: use full backward (B) for this stage"
+            )
         self._params = [p for _, p in module.named_parameters()]
         named_buffers = list(module.named_buffers())
         self._buffers = [b for _, b in named_buffers]

@@ -48,14 +48,17 @@ def build_split_stage(stages: LocalStages, stage: int, step: Step) -> SplitStage
     user_all = stages.user_inputs(step, stage, 0)
     n_user = sum(isinstance(v, torch.Tensor) for v in user_all)
     grad_values = {t.value for t in pipe.transfers if t.requires_grad}
-    return SplitStage(
-        stages.modules[stage],
-        _stage_function(stages, stage, user_all, len(received), step.targets[0]),
-        split_inputs(stages, step, stage, 0, received),
-        [n_user + i for i, v in enumerate(spec.recv_values) if v in grad_values],
-        stages.compile_options,
-        loss_output=spec.num_sends if stage == stages.last else None,
-    )
+    try:
+        return SplitStage(
+            stages.modules[stage],
+            _stage_function(stages, stage, user_all, len(received), step.targets[0]),
+            split_inputs(stages, step, stage, 0, received),
+            [n_user + i for i, v in enumerate(spec.recv_values) if v in grad_values],
+            stages.compile_options,
+            loss_output=spec.num_sends if stage == stages.last else None,
+        )
+    except ValueError as err:  # what the stage holds that cannot be split
+        raise ValueError(f"stage {stage}: {err}") from None
 
 
 def _stage_function(
