@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+import torch.utils.checkpoint
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
@@ -376,8 +377,29 @@ class GraphBuilder:
                 written[i] = env[node]
                 env[node] = graph.call_function(torch.ops.aten.clone.default, (written[i],))
                 env[node].meta = dict(node.meta)
+        outputs = [self.nodes[i] for i in nodes.sends]
+        if s == plan.num_stages - 1:
+            outputs += [self.nodes[i] for i in plan.outputs]
+        # Checkpointed regions: this stage's ops of each, in program order.
+        regions: dict[int, list[fx.Node]] = {}
         for i in nodes.compute:
             node = self.nodes[i]
+            if node.op == "call_function" and "recompute_region" in node.meta:
+                regions.setdefault(node.meta["recompute_region"], []).append(node)
+        needed = {*outputs, *(self.nodes[u.value] for u in nodes.buffer_updates)}
+        for i in nodes.compute:
+            node = self.nodes[i]
+            region = (
+                regions.get(node.meta.get("recompute_region", -1))
+                if node.op == "call_function"
+                else None
+            )
+            if region is not None:
+                # The region runs as one call, placed at its last op: every
+                # input comes earlier, every outside reader later.
+                if node is region[-1]:
+                    _emit_recompute(graph, root, env, region, needed, len(root._modules))
+                continue
             if node.op == "get_attr":
                 target = str(node.target)
                 _install(root, target, getattr(self.program.graph_module, target), True)
@@ -387,9 +409,6 @@ class GraphBuilder:
                 torch.ops.aten.copy_.default,
                 (written[update.buffer], env[self.nodes[update.value]]),
             )
-        outputs = [self.nodes[i] for i in nodes.sends]
-        if s == plan.num_stages - 1:
-            outputs += [self.nodes[i] for i in plan.outputs]
         graph.output(tuple(env[n] for n in outputs))
         graph.lint()
         gm = fx.GraphModule(root, graph, class_name=f"Stage{s}")
@@ -427,6 +446,49 @@ class GraphBuilder:
                 if path and name.rpartition(".")[0] == path:
                     return name
         return fqn
+
+
+def _emit_recompute(
+    graph: fx.Graph,
+    root: torch.nn.Module,
+    env: dict[fx.Node, fx.Node],
+    region: list[fx.Node],
+    needed: set[fx.Node],
+    number: int,
+) -> None:
+    """Emits `region` (ops of one activation-checkpointed region) as a
+    non-reentrant `torch.utils.checkpoint` call of a GraphModule of its own:
+    the stage keeps the region's inputs and recomputes the rest in backward."""
+    members = set(region)
+    inputs: list[fx.Node] = []
+    for node in region:
+        for arg in node.all_input_nodes:
+            if arg not in members and arg not in inputs:
+                inputs.append(arg)
+    results = [
+        n
+        for n in region
+        if isinstance(n.meta.get("val"), torch.Tensor)
+        and (n in needed or any(u not in members for u in n.users))
+    ]
+    sub = fx.Graph()
+    sub_env: dict[fx.Node, fx.Node] = {}
+    for arg in inputs:
+        sub_env[arg] = sub.placeholder(arg.name)
+        sub_env[arg].meta = dict(arg.meta)
+    for node in region:
+        sub_env[node] = sub.node_copy(node, lambda n: sub_env[n])
+    sub.output(tuple(sub_env[n] for n in results))
+    name = f"recompute_{number}"
+    root.add_module(name, fx.GraphModule(torch.nn.Module(), sub, class_name="Recompute"))
+    call = graph.call_function(
+        torch.utils.checkpoint.checkpoint,
+        (graph.get_attr(name), *(env[a] for a in inputs)),
+        {"use_reentrant": False},
+    )
+    for k, node in enumerate(results):
+        env[node] = graph.call_function(operator.getitem, (call, k))
+        env[node].meta = dict(node.meta)
 
 
 def _parameter_aliases(model: torch.nn.Module) -> dict[str, list[str]]:

@@ -24,7 +24,7 @@ from torch.export import ExportedProgram
 
 from .. import _C
 from .builder import GraphBuilder
-from .markers import STAGE_END_OP, _tracing
+from .markers import RECOMPUTE_REGION_OP, STAGE_END_OP, _tracing
 from .pipe import Pipe
 from .plan import partition
 
@@ -90,6 +90,7 @@ def trace(
     # Asserts first: a marker's boundary is the node after it, never a check
     # that is about to go.
     _remove_asserts(graph)
+    _mark_recompute_regions(graph)
     marker_after = _remove_markers(graph)
     graph.lint()
 
@@ -179,36 +180,49 @@ def _export(
 ) -> ExportedProgram:
     tracker = _ModuleTracker(model)
     try:
-        with _tracing(), tracker.watch(), _reentrant_checkpoints_inlined():
+        with _tracing(), tracker.watch(), _checkpoints_marked():
             return torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:  # re-raised with where and what to do
         raise RuntimeError(_trace_failure_message(exc, tracker.stack)) from exc
 
 
 @contextlib.contextmanager
-def _reentrant_checkpoints_inlined() -> Iterator[None]:
-    """Runs reentrant checkpoints (`use_reentrant=True`) as plain calls while tracing.
+def _checkpoints_marked() -> Iterator[None]:
+    """Records where `torch.utils.checkpoint` regions begin and end while tracing.
 
-    The reentrant form runs its region under no_grad inside an autograd
-    Function; export records that region, and everything after it, as
-    no_grad, which would cut the gradient that eager mode gives. Traced as a
-    plain call, the region has the values and gradients of eager mode, as the
-    non-reentrant form has.
+    Both forms run their function as a plain call between two
+    `recompute_region` marks: the non-reentrant form's saved-tensor hooks
+    would otherwise vanish into plain ops, and the reentrant form runs its
+    region under no_grad inside an autograd Function, which export records
+    as no_grad for the region and everything after it (cutting the gradient
+    eager mode gives). The stages recompute the marked ops in their backward.
     """
-    function = torch.utils.checkpoint.CheckpointFunction
-    own = function.__dict__.get("apply")  # None: inherited from autograd.Function
+    module = torch.utils.checkpoint
+    function = module.CheckpointFunction
+    own_apply = function.__dict__.get("apply")  # None: inherited from autograd.Function
+    generator = module._checkpoint_without_reentrant_generator
 
     def apply(run: Callable[..., Any], _preserve_rng_state: bool, *args: Any) -> Any:
-        return run(*args)
+        RECOMPUTE_REGION_OP(True)
+        out = run(*args)
+        RECOMPUTE_REGION_OP(False)
+        return out
+
+    def marked(*_args: Any, **_kwargs: Any) -> Iterator[None]:
+        RECOMPUTE_REGION_OP(True)
+        yield
+        RECOMPUTE_REGION_OP(False)
 
     setattr(function, "apply", staticmethod(apply))  # noqa: B010 (class attribute)
+    module._checkpoint_without_reentrant_generator = marked
     try:
         yield
     finally:
-        if own is None:
+        module._checkpoint_without_reentrant_generator = generator
+        if own_apply is None:
             delattr(function, "apply")
         else:
-            setattr(function, "apply", own)  # noqa: B010
+            setattr(function, "apply", own_apply)  # noqa: B010
 
 
 def _trace_failure_message(exc: Exception, stack: list[tuple[str, str]]) -> str:
@@ -377,6 +391,24 @@ def _remove_markers(graph: fx.Graph) -> list[fx.Node | None]:
     for marker in markers:
         graph.erase_node(marker)
     return after
+
+
+def _mark_recompute_regions(graph: fx.Graph) -> None:
+    """Tags the ops between each pair of recompute marks with the region's
+    number (`meta["recompute_region"]`; nested regions join the outer one)
+    and deletes the marks."""
+    depth, region = 0, -1
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is RECOMPUTE_REGION_OP:
+            begin = bool(node.args[0])
+            if begin and depth == 0:
+                region += 1
+            depth = depth + 1 if begin else max(depth - 1, 0)
+            graph.erase_node(node)
+        elif depth > 0:
+            node.meta["recompute_region"] = region
 
 
 def _remove_asserts(graph: fx.Graph) -> None:

@@ -41,6 +41,22 @@ STAGE_END_OP = torch.ops.torchmpmd.stage_end.default
 torch.fx.node.has_side_effect(STAGE_END_OP)
 
 
+@torch.library.custom_op("torchmpmd::recompute_region", mutates_args=())
+def _recompute_region(begin: bool) -> None:
+    # Where an activation-checkpointed region begins and ends in the traced
+    # program; `mpmd.trace` removes both and recomputes the ops between.
+    return None
+
+
+@_recompute_region.register_fake
+def _recompute_region_fake(begin: bool) -> None:
+    return None
+
+
+RECOMPUTE_REGION_OP = torch.ops.torchmpmd.recompute_region.default
+torch.fx.node.has_side_effect(RECOMPUTE_REGION_OP)
+
+
 @contextlib.contextmanager
 def _tracing() -> Iterator[None]:
     """Makes `mark_stage_end` record a boundary (only `mpmd.trace` enters this)."""
