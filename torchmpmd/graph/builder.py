@@ -403,7 +403,7 @@ class GraphBuilder:
             if node.op == "get_attr":
                 target = str(node.target)
                 _install(root, target, getattr(self.program.graph_module, target), True)
-            env[node] = graph.node_copy(node, lambda n: env[n])
+            env[node] = _copy(graph, node, env)
         for update in nodes.buffer_updates:
             graph.call_function(
                 torch.ops.aten.copy_.default,
@@ -448,6 +448,31 @@ class GraphBuilder:
         return fqn
 
 
+def _copy(graph: fx.Graph, node: fx.Node, env: dict[fx.Node, fx.Node]) -> fx.Node:
+    """`node` copied into `graph`, a `view` as a `reshape`, an `aten.copy` with a gradient.
+
+    Functionalisation records each `reshape` as the `view` the trace-time
+    strides allowed; run with other strides (grad mode can change the layout
+    an op returns: T5's attention under SDPA) that view fails. A reshape is
+    the same view when the strides allow it, and a copy otherwise; the
+    functional graph writes no view in place, so the values are the same.
+    """
+    copied = graph.node_copy(node, lambda n: env[n])
+    if copied.target is torch.ops.aten.view.default:
+        copied.target = torch.ops.aten.reshape.default
+    elif copied.target is torch.ops.aten.copy.default:
+        copied.target = _copy_into
+    return copied
+
+
+def _copy_into(dest: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """`aten.copy` (what functionalisation makes of `dest.copy_(src)`, e.g.
+    into a slice of a fresh `new_empty` buffer), with a gradient: autograd
+    has no formula for `aten.copy`. `src` broadcast to `dest`'s shape, in
+    its dtype and on its device."""
+    return src.to(device=dest.device, dtype=dest.dtype).expand_as(dest).clone()
+
+
 def _emit_recompute(
     graph: fx.Graph,
     root: torch.nn.Module,
@@ -477,7 +502,7 @@ def _emit_recompute(
         sub_env[arg] = sub.placeholder(arg.name)
         sub_env[arg].meta = dict(arg.meta)
     for node in region:
-        sub_env[node] = sub.node_copy(node, lambda n: sub_env[n])
+        sub_env[node] = _copy(sub, node, sub_env)
     sub.output(tuple(sub_env[n] for n in results))
     name = f"recompute_{number}"
     root.add_module(name, fx.GraphModule(torch.nn.Module(), sub, class_name="Recompute"))
