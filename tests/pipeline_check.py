@@ -5,6 +5,8 @@ model's gradient accumulation over the same microbatches (float64)."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from models import CASES, split_deep_unet, split_gpt
@@ -76,3 +78,45 @@ def check(
         torch.testing.assert_close(p.grad, ref_grads[fqn], rtol=grad_tol, atol=grad_tol, msg=fqn)
         seen.add(fqn)
     return seen
+
+
+def trains_like_eager(
+    build: Callable[[], torch.nn.Module],
+    x: torch.Tensor,
+    y: torch.Tensor | None,
+    loss: Callable[[Any, Any], torch.Tensor],
+    split_before: list[str],
+    schedule: mpmd.Schedule,
+    num_ranks: int,
+    *,
+    tol: float = 1e-10,
+    steps: int = 1,
+) -> tuple[Any, torch.nn.Module]:
+    """Runs `steps` pipelined steps of a model built by `build()` (seeded) on
+    in-process ranks and asserts every gradient equals eager gradient
+    accumulation over the same microbatches (a parameter eager leaves without
+    gradient must get none, or zeros). Returns the LocalPipeline and the
+    eager reference, for further checks."""
+    from torchmpmd.testing import LocalPipeline
+
+    m = schedule.num_microbatches
+    torch.manual_seed(0)
+    model = build()
+    torch.manual_seed(0)
+    ref = build()
+    ref.load_state_dict(model.state_dict())
+    targets = y.chunk(m) if y is not None else [None] * m
+    pipe = mpmd.trace(model, (x.chunk(m)[0],), split_before=split_before)
+    local = LocalPipeline(pipe, schedule, num_ranks, loss_fn=loss, timeout=60)
+    for _ in range(steps):
+        for xb, yb in zip(x.chunk(m), targets, strict=True):
+            (loss(ref(xb), yb) / m).backward()
+        local.step(x, target=y)
+    for runner in local.runners:
+        for fqn, p in runner.named_parameters():
+            expected = ref.get_parameter(fqn).grad
+            if expected is None:
+                assert p.grad is None or not p.grad.any(), fqn
+                continue
+            torch.testing.assert_close(p.grad, expected, rtol=tol, atol=tol, msg=fqn)
+    return local, ref

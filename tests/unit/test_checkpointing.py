@@ -10,10 +10,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint as ckpt
+from pipeline_check import trains_like_eager
 
 import torchmpmd as mpmd
 from torchmpmd.graph.split import SplitStage
-from torchmpmd.testing import LocalPipeline
 
 M = 4
 
@@ -112,20 +112,14 @@ def test_checkpointed_stage_keeps_what_eager_checkpointing_keeps(mode):
 @pytest.mark.parametrize("cls", [mpmd.schedules.OneFOneB, mpmd.schedules.ZeroBubbleH1])
 @pytest.mark.parametrize("mode", ["non_reentrant", "reentrant"])
 def test_checkpointed_model_trains_like_eager(mode, cls):
-    model = _model(mode, torch.float64)
-    ref = _model(mode, torch.float64)
-
-    def loss(out, y):
-        return (out - y).square().mean()
-
     x = torch.randn(2 * M, 8, 16, dtype=torch.float64)
     y = torch.randn(2 * M, 8, 16, dtype=torch.float64)
-    for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True):
-        (loss(ref(xb), yb) / M).backward()
-    pipe = mpmd.trace(model, (x[:2],), split_before=["blocks.1"])
-    local = LocalPipeline(pipe, cls(M), 2, loss_fn=loss, timeout=30)
-    local.step(x, target=y)
-    for runner in local.runners:
-        for fqn, p in runner.named_parameters():
-            expected = ref.get_parameter(fqn).grad
-            torch.testing.assert_close(p.grad, expected, rtol=1e-10, atol=1e-10, msg=fqn)
+    trains_like_eager(
+        lambda: Checkpointed(mode).double(),
+        x,
+        y,
+        lambda out, y: (out - y).square().mean(),
+        ["blocks.1"],
+        cls(M),
+        2,
+    )

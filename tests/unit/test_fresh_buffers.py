@@ -6,9 +6,9 @@ differentiate ("derivative for aten::copy is not implemented")."""
 import pytest
 import torch
 import torch.nn as nn
+from pipeline_check import trains_like_eager
 
 import torchmpmd as mpmd
-from torchmpmd.testing import LocalPipeline
 
 M = 4
 
@@ -39,22 +39,15 @@ class Model(nn.Module):
 
 @pytest.mark.parametrize("cls", [mpmd.schedules.OneFOneB, mpmd.schedules.ZeroBubbleH1])
 def test_copy_into_a_fresh_tensor_trains_like_eager(cls):
-    def loss(out, y):
-        return (out - y).square().mean()
-
-    torch.manual_seed(0)
-    model = Model().double()
-    ref = Model().double()
-    ref.load_state_dict(model.state_dict())
     x = torch.randn(2 * M, 8, dtype=torch.float64)
     y = torch.randn(2 * M, 8, dtype=torch.float64)
-    for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True):
-        (loss(ref(xb), yb) / M).backward()
-    pipe = mpmd.trace(model, (x[:2],), split_before=["mix", "last"])
-    torch.testing.assert_close(pipe(x[:2]), model(x[:2]), rtol=0, atol=0)
-    local = LocalPipeline(pipe, cls(M), 3, loss_fn=loss, timeout=30)
-    local.step(x, target=y)
-    for runner in local.runners:
-        for fqn, p in runner.named_parameters():
-            expected = ref.get_parameter(fqn).grad
-            torch.testing.assert_close(p.grad, expected, rtol=1e-10, atol=1e-10, msg=fqn)
+    local, ref = trains_like_eager(
+        lambda: Model().double(),
+        x,
+        y,
+        lambda out, y: (out - y).square().mean(),
+        ["mix", "last"],
+        cls(M),
+        3,
+    )
+    torch.testing.assert_close(local.pipes[0](x[:2]), ref(x[:2]), rtol=0, atol=0)

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint as ckpt
+from pipeline_check import trains_like_eager
 
 import torchmpmd as mpmd
-from torchmpmd.testing import LocalPipeline
 
 S = mpmd.schedules
 M = 4
@@ -49,26 +49,12 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def _run(region: str, dtype: torch.dtype, cls: type, tol: float) -> None:
-    torch.manual_seed(0)
-    model = Regions(region).to(dtype)
-    ref = Regions(region).to(dtype)
-    ref.load_state_dict(model.state_dict())
     x = torch.randn(2 * M, 8, dtype=dtype)
     y = torch.randn(2 * M, 8, dtype=dtype)
-    for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True):
-        (_loss(ref(xb), yb) / M).backward()
-
-    pipe = mpmd.trace(model, (x[:2],), split_before=["b", "c"])
-    torch.testing.assert_close(pipe(x[:2]), model(x[:2]), rtol=0, atol=0)
-    local = LocalPipeline(pipe, cls(M), 3, loss_fn=_loss, timeout=30)
-    local.step(x, target=y)
-    for runner in local.runners:
-        for fqn, p in runner.named_parameters():
-            expected = ref.get_parameter(fqn).grad
-            if expected is None:  # frozen by the no_grad region, as in eager mode
-                assert p.grad is None or not p.grad.any(), fqn
-                continue
-            torch.testing.assert_close(p.grad, expected, rtol=tol, atol=tol, msg=fqn)
+    local, ref = trains_like_eager(
+        lambda: Regions(region).to(dtype), x, y, _loss, ["b", "c"], cls(M), 3, tol=tol
+    )
+    torch.testing.assert_close(local.pipes[0](x[:2]), ref(x[:2]), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("cls", [S.OneFOneB, S.ZeroBubbleH1])
