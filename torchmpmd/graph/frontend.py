@@ -24,7 +24,7 @@ from torch.export import ExportedProgram
 
 from .. import _C
 from .builder import GraphBuilder
-from .markers import RECOMPUTE_REGION_OP, STAGE_END_OP, _tracing
+from .markers import RECOMPUTE_REGION_OP, STAGE_END_OP, TRACE_LOCK, _tracing
 from .pipe import Pipe
 from .plan import partition
 
@@ -121,7 +121,14 @@ def trace(
         module_paths=module_paths,
         marker_positions=[builder.position_after(node) for node in marker_after],
     )
-    return builder.build_pipe(partition(stage_graph, spec))
+    pipe = builder.build_pipe(partition(stage_graph, spec))
+
+    def trace_again(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Pipe:
+        with TRACE_LOCK:
+            return trace(model, args, kwargs, split_before=split_before, split_after=split_after)
+
+    pipe._trace_again = trace_again
+    return pipe
 
 
 # --------------------------------------------------------------------------- export

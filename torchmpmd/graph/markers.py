@@ -16,6 +16,10 @@ T = TypeVar("T")
 
 _state = threading.local()
 
+# torch.export and make_fx patch process-wide state while they trace: ranks
+# running as threads of one process (mpmd.testing) take turns.
+TRACE_LOCK = threading.RLock()
+
 
 @torch.library.custom_op("torchmpmd::stage_end", mutates_args=())
 def _stage_end(xs: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,6 +98,7 @@ class Pipe:
         constant_outputs: dict[int, Any],
         parameter_aliases: dict[str, list[str]],
         tied_parameters: dict[int, torch.Tensor],
+        trace_again: Callable[[tuple[Any, ...], dict[str, Any]], Pipe] | None = None,
     ) -> None:
         self._stages = stages
         self.stage_specs = stage_specs
@@ -115,6 +116,7 @@ class Pipe:
         self.parameter_aliases = parameter_aliases
         # Tied parameters by their node id in the plan (`plan.tied_stages(id)`).
         self.tied_parameters = tied_parameters
+        self._trace_again = trace_again
 
     def replicate(self) -> Pipe:
         """A copy with its own parameters and buffers (tying within it kept)."""
@@ -124,6 +126,14 @@ class Pipe:
         clone._stages = stages
         clone.tied_parameters = {node: memo[id(p)] for node, p in self.tied_parameters.items()}
         return clone
+
+    def retrace(self, flat_inputs: list[Any]) -> Pipe:
+        """The same model and split traced again for other example inputs (flat,
+        in the order of `input_names`): a pipeline for another shape."""
+        if self._trace_again is None:
+            raise ValueError("this Pipe was not made by mpmd.trace and cannot be traced again")
+        args, kwargs = pytree.tree_unflatten(flat_inputs, self._in_spec)
+        return self._trace_again(tuple(args), dict(kwargs))
 
     def activation_bytes(self) -> list[int]:
         """Per stage, a rough bound on the bytes one microbatch's forward keeps

@@ -19,7 +19,6 @@ ops without autograd, so each can be compiled with torch.compile.
 from __future__ import annotations
 
 import operator
-import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,13 +29,10 @@ import torch.utils._pytree as pytree
 from torch.func import functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from .markers import TRACE_LOCK
 from .pipe import static_numel
 
 __all__: list[str] = []
-
-# make_fx patches module-level state while it traces: ranks running as
-# threads of one process (mpmd.testing) must take turns.
-_TRACE_LOCK = threading.Lock()
 
 
 def _ancestors(roots: Iterable[fx.Node]) -> set[fx.Node]:
@@ -132,13 +128,13 @@ def split_joint(
         )
         return list(outs), list(grads)
 
-    with _TRACE_LOCK, torch.enable_grad():
+    with TRACE_LOCK, torch.enable_grad():
         gm = make_fx(joint)(p_ex, x_ex, tangents_ex)
     if any(_mutates(n) for n in gm.graph.nodes):
         # A backward formula that writes in place (adaptive pooling's `copy_`
         # into a view of a fresh buffer) leaves a node nothing reads, which a
         # cut by dataflow would drop. Functionalised, the write is a value.
-        with _TRACE_LOCK:
+        with TRACE_LOCK:
             gm = make_fx(functionalize(gm, remove="mutations"))(
                 [p.detach() for p in p_ex],
                 [x.detach() for x in x_ex],

@@ -34,24 +34,32 @@ class Microbatcher:
                 "and 'target'"
             )
 
-    def inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[list[Any]]:
-        """Per microbatch, the flat inputs in the traced order."""
+    def rows(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[list[Any]]:
+        """Per microbatch, the flat inputs in the traced order (shapes not checked)."""
         flat = self._pipe.flatten_structure(args, kwargs)
         m = self.num_microbatches
         columns = []
-        for name, expected, value in zip(
-            self._pipe.input_names, self._pipe.input_specs, flat, strict=True
-        ):
+        for name, value in zip(self._pipe.input_names, flat, strict=True):
             if isinstance(value, torch.Tensor):
                 dim = self._chunk_dims.get(name, 0)
-                pieces = [value.contiguous()] * m if dim is None else _chunk(value, m, dim, name)
-                for i, piece in enumerate(pieces):
-                    _check_microbatch(name, expected, piece, i)
-                columns.append(pieces)
+                columns.append(
+                    [value.contiguous()] * m if dim is None else _chunk(value, m, dim, name)
+                )
             else:
-                check_input(name, expected, value)
                 columns.append([value] * m)
         return [list(row) for row in zip(*columns, strict=True)]
+
+    def check(self, rows: list[list[Any]]) -> list[list[Any]]:
+        """`rows`, each checked against the traced example."""
+        for i, row in enumerate(rows):
+            for name, expected, value in zip(
+                self._pipe.input_names, self._pipe.input_specs, row, strict=True
+            ):
+                if isinstance(value, torch.Tensor):
+                    _check_microbatch(name, expected, value, i)
+                else:
+                    check_input(name, expected, value)
+        return rows
 
     def targets(self, target: Any) -> list[Any]:
         """Per microbatch, its piece of `target` (None: no target)."""

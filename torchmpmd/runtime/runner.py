@@ -12,11 +12,12 @@ import torch.distributed as dist
 
 from .. import _C
 from ..graph.pipe import Pipe, unique_named_parameters
-from ..schedule.program import Program, compile_schedule
+from ..schedule.program import Program
 from ..schedule.task import Schedule
 from ..schedule.timeline import Timeline, TimelineEvent, from_records
-from .microbatch import Microbatcher, merge
-from .stages import Evaluation, LocalStages, LossFn, Step, Training
+from .compiled import CompiledPipe, Options, signature_of, traced_signature
+from .microbatch import merge
+from .stages import Evaluation, LossFn, Step, Training
 from .transport import C10dTransport, Transport, all_gather, broadcast
 
 __all__ = ["PipelineRunner", "StepOutput"]
@@ -75,90 +76,47 @@ class PipelineRunner:
         if recompute is not False:
             schedule = schedule.with_recompute(None if recompute is True else recompute)
         self._pipe = pipe
-        self._schedule = schedule
+        self.num_microbatches = schedule.num_microbatches
+        self.device = _pick_device(device, group, c10d=transport is None)
         self._timeout = (
             timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
         )
-        self._max_early_recvs = max_early_recvs
-        self.program: Program = compile_schedule(schedule, pipe, self.num_ranks)
-        self.num_microbatches = schedule.num_microbatches
-        self._microbatcher = Microbatcher(pipe, self.num_microbatches, chunk_dims)
-        placement = self.program.placement
-        self.local_stages = [s for s in range(pipe.num_stages) if placement[s] == self.rank]
-        self._check_recompute()
-        self._loss_rank = placement[pipe.num_stages - 1]
-        self.device = _pick_device(device, group, c10d=transport is None)
-        self._stages = LocalStages(
-            pipe,
-            self.local_stages,
-            self.device,
+        self._options = Options(
+            schedule=schedule,
+            transport=self._transport,
+            device=self.device,
             loss_fn=loss_fn,
-            num_microbatches=self.num_microbatches,
-            split=self._choose_split(split_backward),
+            chunk_dims=chunk_dims,
+            timeout=self._timeout,
+            max_early_recvs=max_early_recvs,
+            split_backward=split_backward,
             compile_options=None if compile is False else ({} if compile is True else compile),
         )
-        self._tied = {
-            node: param
-            for node, param in pipe.tied_parameters.items()
-            if any(placement[s] == self.rank for s in pipe.plan.tied_stages(node))
-        }
-        self._executor = self._make_executor(self.program, training=True)
-        self._eval_executor: _C.runtime.Executor | None = None
+        first = CompiledPipe(pipe, self._options, shared=None)
+        self._first = first
+        # One compiled pipe per input signature, the traced one first.
+        self._compiled = {traced_signature(pipe): first}
+        self.program: Program = first.program
+        self.local_stages = first.local_stages
+        self._stages = first.stages
+        self._loss_rank = first.loss_rank
+        # How many times a new input signature made this runner trace the model again.
+        self.num_traces = 0
         self.timeline: Timeline | None = None
 
-    def _check_recompute(self) -> None:
-        recomputed = sorted({t.stage for t in self.program.tasks(self.rank) if t.kind == "R"})
-        for s in recomputed:
-            if self._pipe.stage_specs[s].updates_buffers:
-                raise ValueError(
-                    f"stage {s} (rank {self.rank}) updates buffers in its forward (e.g. BatchNorm "
-                    "running statistics) and its schedule recomputes it (R tasks): the update "
-                    "would apply twice; leave this stage out of recompute"
-                )
-
-    def _choose_split(self, split_backward: bool | str) -> set[int]:
-        with_iw = {t.stage for t in self.program.tasks(self.rank) if t.kind in ("I", "W")}
-        if split_backward == "auto":
-            return with_iw
-        if split_backward is True:
-            return set(self.local_stages)
-        if split_backward is False:
-            if with_iw:
-                raise ValueError(
-                    f"{type(self._schedule).__name__} has input/weight-gradient tasks (I/W) for "
-                    f"stages {sorted(with_iw)} on rank {self.rank}, which need split_backward"
-                )
-            return set()
-        raise ValueError(f"split_backward must be True, False or 'auto', got {split_backward!r}")
-
-    def _make_executor(self, program: Program, training: bool) -> _C.runtime.Executor:
-        pipe = self._pipe
-        values = [
-            _C.runtime.ValueInfo(t.value, t.name, list(t.spec.shape), t.spec.dtype, t.requires_grad)
-            for t in pipe.transfers
-        ]
-        stages = [
-            _C.runtime.StageInfo(
-                s,
-                list(spec.recv_values),
-                list(spec.send_values),
-                s == pipe.num_stages - 1,
-                training and s in self._stages.split,
-            )
-            for s, spec in enumerate(pipe.stage_specs)
-        ]
-        return _C.runtime.Executor(
-            rank=self.rank,
-            program=program._native,
-            stages=stages,
-            values=values,
-            transport=self._transport,
-            tied=self._tied if training else {},
-            timeout_s=self._timeout,
-            max_early_recvs=self._max_early_recvs,
-            training=training,
-            device=self.device,
-        )
+    def _microbatches(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[CompiledPipe, list[list[Any]]]:
+        """The microbatches' flat inputs, and the compiled pipe for their
+        signature (traced on first sight)."""
+        rows = self._first.microbatcher.rows(args, kwargs)
+        signature = signature_of(rows[0])
+        compiled = self._compiled.get(signature)
+        if compiled is None:
+            compiled = CompiledPipe(self._pipe.retrace(rows[0]), self._options, shared=self._first)
+            self._compiled[signature] = compiled
+            self.num_traces += 1
+        return compiled, compiled.microbatcher.check(rows)
 
     # ---- public API
 
@@ -169,18 +127,16 @@ class PipelineRunner:
         `(loss_fn(model(mb), target_mb) / num_microbatches).backward()` would.
         Returns the mean loss on every rank.
         """
-        step = Step(
-            inputs=self._microbatcher.inputs(args, kwargs),
-            targets=self._microbatcher.targets(target),
-        )
-        self._stages.prepare(step)
-        fns = Training(self._stages, step)
-        self._executor.run(fns.forward, fns.input_grad, fns.weight_grad)
+        compiled, inputs = self._microbatches(args, kwargs)
+        step = Step(inputs=inputs, targets=compiled.microbatcher.targets(target))
+        compiled.stages.prepare(step)
+        fns = Training(compiled.stages, step)
+        compiled.executor.run(fns.forward, fns.input_grad, fns.weight_grad)
         self.timeline = from_records(
             self.rank,
             self.num_ranks,
-            self._executor.records(),
-            self._executor.step_start_unix_ns,
+            compiled.executor.records(),
+            compiled.executor.step_start_unix_ns,
         )
         # float64 holds a float32 or float64 loss exactly.
         if self.rank == self._loss_rank:
@@ -194,16 +150,12 @@ class PipelineRunner:
     def eval_step(self, *args: Any, **kwargs: Any) -> Any:
         """Forward only, keeping no autograd state; the model's output for the
         whole batch (microbatch outputs concatenated) on every rank."""
-        if self._eval_executor is None:
-            program = compile_schedule(
-                self._schedule, self._pipe, self.num_ranks, forward_only=True
-            )
-            self._eval_executor = self._make_executor(program, training=False)
-        step = Step(inputs=self._microbatcher.inputs(args, kwargs), targets=[])
-        self._eval_executor.run(Evaluation(self._stages, step).forward)
-        flat = self._share_outputs(step.outputs)
-        names = [n for n in self._pipe.output_names if n is not None]
-        return self._pipe.unflatten_outputs(dict(zip(names, flat, strict=True)))
+        compiled, inputs = self._microbatches(args, kwargs)
+        step = Step(inputs=inputs, targets=[])
+        compiled.eval_executor().run(Evaluation(compiled.stages, step).forward)
+        flat = self._share_outputs(compiled.pipe, step.outputs)
+        names = [n for n in compiled.pipe.output_names if n is not None]
+        return compiled.pipe.unflatten_outputs(dict(zip(names, flat, strict=True)))
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """This rank's parameters, once each, under their names in the model."""
@@ -276,9 +228,9 @@ class PipelineRunner:
     def _share(self, tensor: torch.Tensor) -> None:
         broadcast(self._transport, tensor, self._loss_rank, self._timeout)
 
-    def _share_outputs(self, outputs: list[list[Any] | None]) -> list[torch.Tensor]:
+    def _share_outputs(self, pipe: Pipe, outputs: list[list[Any] | None]) -> list[torch.Tensor]:
         """The loss rank's merged outputs, on every rank (shapes come from the plan)."""
-        spec = self._pipe.stage_specs[self._pipe.num_stages - 1]
+        spec = pipe.stage_specs[pipe.num_stages - 1]
         m = self.num_microbatches
         out = []
         for i, one in enumerate(spec.output_specs[spec.num_sends :]):

@@ -1,0 +1,200 @@
+"""A pipe compiled for this rank, one per input signature.
+
+Variable shapes work as a cache of programs keyed by the microbatch inputs'
+shapes, dtypes and constants (`Signature`): a signature seen for the first
+time is traced again from the model (`Pipe.retrace`, on every rank alike,
+since every rank gets the same batch, so no message is exchanged to agree),
+and its stages take this rank's existing parameters and buffers by name. A
+signature seen before costs a dictionary lookup. The alternative, symbolic
+dimensions from torch.export carried through the plan, would need dynamic
+shapes in the C++ plan, the transfers and the split (I/W) graphs, and loses
+the shape checks and static buffers the executor relies on; one program per
+shape keeps every program static.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import _C
+from ..graph.pipe import Pipe, TensorSpec
+from ..schedule.program import Program, compile_schedule
+from ..schedule.task import Schedule
+from .microbatch import Microbatcher
+from .stages import LocalStages, LossFn
+from .transport import Transport
+
+__all__: list[str] = []
+
+# Per flat input: its TensorSpec, or (type name, repr) of a constant.
+Signature = tuple[Any, ...]
+
+
+def signature_of(values: list[Any]) -> Signature:
+    """The signature of one microbatch's flat inputs."""
+    return tuple(
+        TensorSpec.of_tensor(v) if isinstance(v, torch.Tensor) else (type(v).__name__, repr(v))
+        for v in values
+    )
+
+
+def traced_signature(pipe: Pipe) -> Signature:
+    """The signature of the example `pipe` was traced with."""
+    return tuple(
+        s if isinstance(s, TensorSpec) else (type(s).__name__, repr(s)) for s in pipe.input_specs
+    )
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Options:
+    """What every compiled pipe of a runner shares."""
+
+    schedule: Schedule
+    transport: Transport
+    device: torch.device
+    loss_fn: LossFn | None
+    chunk_dims: Mapping[str, int | None] | None
+    timeout: float
+    max_early_recvs: int
+    split_backward: bool | str
+    compile_options: Mapping[str, Any] | None
+
+
+class CompiledPipe:
+    """`pipe` lowered for this rank: program, local stages and executors."""
+
+    def __init__(self, pipe: Pipe, options: Options, shared: CompiledPipe | None) -> None:
+        self.pipe = pipe
+        self._options = options
+        transport = options.transport
+        self.rank: int = transport.rank
+        self.program: Program = compile_schedule(options.schedule, pipe, transport.size)
+        placement = self.program.placement
+        self.local_stages = [s for s in range(pipe.num_stages) if placement[s] == self.rank]
+        self.loss_rank = placement[pipe.num_stages - 1]
+        self._check_recompute()
+        m = options.schedule.num_microbatches
+        self.microbatcher = Microbatcher(pipe, m, options.chunk_dims)
+        # Tied parameters by node id, found again by name once the stages
+        # hold this rank's own tensors.
+        tied_names = {
+            id(p): (s, name)
+            for s in self.local_stages
+            for name, p in pipe.stage(s).named_parameters(remove_duplicate=False)
+        }
+        if shared is not None:
+            _take_state(pipe, shared, self.local_stages)
+        self.stages = LocalStages(
+            pipe,
+            self.local_stages,
+            options.device,
+            loss_fn=options.loss_fn,
+            num_microbatches=m,
+            split=self._choose_split(options.split_backward),
+            compile_options=options.compile_options,
+        )
+        self._tied = {
+            node: self.stages.modules[tied_names[id(param)][0]].get_parameter(
+                tied_names[id(param)][1]
+            )
+            for node, param in pipe.tied_parameters.items()
+            if id(param) in tied_names
+        }
+        self.executor = self._executor(self.program, training=True)
+        self._eval_executor: _C.runtime.Executor | None = None
+
+    def eval_executor(self) -> _C.runtime.Executor:
+        """The forward-only executor (the schedule's F tasks), made on first use."""
+        if self._eval_executor is None:
+            program = compile_schedule(
+                self._options.schedule,
+                self.pipe,
+                self._options.transport.size,
+                forward_only=True,
+            )
+            self._eval_executor = self._executor(program, training=False)
+        return self._eval_executor
+
+    def _check_recompute(self) -> None:
+        recomputed = sorted({t.stage for t in self.program.tasks(self.rank) if t.kind == "R"})
+        for s in recomputed:
+            if self.pipe.stage_specs[s].updates_buffers:
+                raise ValueError(
+                    f"stage {s} (rank {self.rank}) updates buffers in its forward (e.g. BatchNorm "
+                    "running statistics) and its schedule recomputes it (R tasks): the update "
+                    "would apply twice; leave this stage out of recompute"
+                )
+
+    def _choose_split(self, split_backward: bool | str) -> set[int]:
+        with_iw = {t.stage for t in self.program.tasks(self.rank) if t.kind in ("I", "W")}
+        if split_backward == "auto":
+            return with_iw
+        if split_backward is True:
+            return set(self.local_stages)
+        if split_backward is False:
+            if with_iw:
+                raise ValueError(
+                    f"{type(self._options.schedule).__name__} has input/weight-gradient tasks "
+                    f"(I/W) for stages {sorted(with_iw)} on rank {self.rank}, which need "
+                    "split_backward"
+                )
+            return set()
+        raise ValueError(f"split_backward must be True, False or 'auto', got {split_backward!r}")
+
+    def _executor(self, program: Program, training: bool) -> _C.runtime.Executor:
+        pipe, options = self.pipe, self._options
+        values = [
+            _C.runtime.ValueInfo(t.value, t.name, list(t.spec.shape), t.spec.dtype, t.requires_grad)
+            for t in pipe.transfers
+        ]
+        stages = [
+            _C.runtime.StageInfo(
+                s,
+                list(spec.recv_values),
+                list(spec.send_values),
+                s == pipe.num_stages - 1,
+                training and s in self.stages.split,
+            )
+            for s, spec in enumerate(pipe.stage_specs)
+        ]
+        return _C.runtime.Executor(
+            rank=self.rank,
+            program=program._native,
+            stages=stages,
+            values=values,
+            transport=options.transport,
+            tied=self._tied if training else {},
+            timeout_s=options.timeout,
+            max_early_recvs=options.max_early_recvs,
+            training=training,
+            device=options.device,
+        )
+
+
+def _take_state(pipe: Pipe, shared: CompiledPipe, stages: list[int]) -> None:
+    """Makes `pipe`'s local stages use `shared`'s parameters and buffers (by name)."""
+    for s in stages:
+        old = shared.stages.modules[s]
+        new = pipe.stage(s)
+        try:
+            for name, _ in list(new.named_parameters(remove_duplicate=False)):
+                owner, leaf = _owner(new, name)
+                owner._parameters[leaf] = old.get_parameter(name)
+            for name, _ in list(new.named_buffers(remove_duplicate=False)):
+                owner, leaf = _owner(new, name)
+                owner._buffers[leaf] = old.get_buffer(name)
+        except AttributeError as err:
+            raise ValueError(
+                f"stage {s} traced for new input shapes holds state that stage {s} of the first "
+                f"trace does not ({err}): the stages changed with the input shapes; split the "
+                "model at points that do not depend on them"
+            ) from None
+
+
+def _owner(root: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+    path, _, leaf = name.rpartition(".")
+    return (root.get_submodule(path) if path else root), leaf
