@@ -46,6 +46,10 @@ class PipelineRunner:
     `recompute=True` (or a collection of stage indices) runs those stages
     with activation checkpointing: `schedule.with_recompute(...)`.
 
+    Batch size and sequence length may change between steps: a microbatch
+    shape not seen before is traced once more from the model (on every rank
+    alike; `num_traces` counts them), a shape seen before costs nothing.
+
     The ranks talk over `group` (a torch.distributed process group; default:
     the world) or any `transport` (`torchmpmd.runtime.transport`), e.g. the
     in-process one of `torchmpmd.testing`. Call `step` (and `eval_step`) on
