@@ -1,6 +1,6 @@
 """Code that torch.export wraps into a region (an autocast block, a
 `torch.no_grad()` block, a reentrant checkpoint) must split by module path
-and train like eager mode. The regions' nodes lost their module paths
+and train like eager mode, as must a model in bfloat16. The regions' nodes lost their module paths
 ("split module never ran"), and a reentrant checkpoint cut the gradient of
 everything after it (1F1B failed, ZB-H1 gave zero gradients)."""
 
@@ -40,6 +40,8 @@ class Regions(nn.Module):
             with torch.no_grad():
                 h = self.b(self.a(x))
             return self.c(h)
+        if self.region == "plain":
+            return self.c(self.b(self.a(x)))
         h = ckpt.checkpoint(self.b, self.a(x), use_reentrant=True)
         return self.c(h)
 
@@ -74,3 +76,21 @@ def test_split_inside_a_no_grad_region(cls):
 @pytest.mark.parametrize("cls", [S.OneFOneB, S.ZeroBubbleH1])
 def test_reentrant_checkpoint_keeps_the_gradient(cls):
     _run("reentrant", torch.float64, cls, 1e-10)
+
+
+@pytest.mark.parametrize("cls", [S.OneFOneB, S.ZeroBubbleH1])
+def test_bfloat16_parameters_train_like_eager(cls):
+    # The same ops in the same order per microbatch: bitwise equal, in bfloat16 too.
+    x = torch.randn(2 * M, 8, dtype=torch.bfloat16)
+    y = torch.randn(2 * M, 8, dtype=torch.bfloat16)
+    local, _ = trains_like_eager(
+        lambda: Regions("plain").to(torch.bfloat16),
+        x,
+        y,
+        _loss,
+        ["b", "c"],
+        cls(M),
+        3,
+        tol=0.0,
+    )
+    assert {t.spec.dtype for t in local.pipes[0].transfers} == {torch.bfloat16}
