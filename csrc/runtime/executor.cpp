@@ -131,6 +131,7 @@ Executor::Executor(int32_t rank, const schedule::Program& program,
         ins.microbatch == 0) {
       ++grad_parts_expected_[ins.value];
     }
+    if (ins.op == Op::kReduceTied) reduced_tied_.push_back(ins.value);
     if (ins.op == Op::kCompute) {
       task_fn(ins.task.kind);  // fail early
       if (schedule::info(ins.task.kind).recomputes) {
@@ -633,10 +634,9 @@ void Executor::run(const StageFunctions& functions) {
   records_.clear();
   // Tied parameters start the step without their earlier gradient; a step
   // that fails before its sum gives it back under what it accumulated.
-  for (const Instruction& ins : code_) {
-    if (ins.op != Op::kReduceTied) continue;
-    at::Tensor& grad = tied_.at(ins.value).mutable_grad();
-    if (grad.defined()) st.tied_before[ins.value] = std::move(grad);
+  for (const int32_t id : reduced_tied_) {
+    at::Tensor& grad = tied_.at(id).mutable_grad();
+    if (grad.defined()) st.tied_before[id] = std::move(grad);
     grad = at::Tensor();
   }
   struct RestoreTied {

@@ -165,6 +165,8 @@ class Executor {
   // (stage, microbatch) with a recompute task: their forward keeps only its
   // inputs (and the random generator's state), the recompute the rest.
   std::set<std::pair<int32_t, int32_t>> recomputed_;
+  // Tied parameters this rank sums over their holders (a REDUCE_TIED).
+  std::vector<int32_t> reduced_tied_;
   std::vector<TaskRecord> records_;
   int64_t step_start_unix_ns_ = 0;
 };

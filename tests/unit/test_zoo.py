@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers as T
+from models import _gen
 
 import torchmpmd as mpmd
 from torchmpmd.testing import LocalPipeline
@@ -33,10 +34,6 @@ _DROPOUTS = (
     "embed_dropout",
     "drop_prob",
 )
-
-
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
 
 
 def _logits_loss(out: Any, y: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -298,7 +299,11 @@ class GraphBuilder:
 
     # ---- stage construction
 
-    def build_pipe(self, plan: Plan) -> Pipe:
+    def build_pipe(
+        self,
+        plan: Plan,
+        trace_again: Callable[[tuple[Any, ...], dict[str, Any]], Pipe] | None = None,
+    ) -> Pipe:
         aliases = _parameter_aliases(self.model)
         stages = []
         graph_modules = []
@@ -339,6 +344,7 @@ class GraphBuilder:
             constant_outputs=constant_outputs,
             parameter_aliases=aliases,
             tied_parameters={t.node: self.state[self.nodes[t.node].name] for t in plan.tied},
+            trace_again=trace_again,
         )
 
     def _fqn(self, node: fx.Node) -> str:

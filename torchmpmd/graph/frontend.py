@@ -121,14 +121,12 @@ def trace(
         module_paths=module_paths,
         marker_positions=[builder.position_after(node) for node in marker_after],
     )
-    pipe = builder.build_pipe(partition(stage_graph, spec))
 
     def trace_again(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Pipe:
         with TRACE_LOCK:
             return trace(model, args, kwargs, split_before=split_before, split_after=split_after)
 
-    pipe._trace_again = trace_again
-    return pipe
+    return builder.build_pipe(partition(stage_graph, spec), trace_again)
 
 
 # --------------------------------------------------------------------------- export
