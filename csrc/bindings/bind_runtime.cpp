@@ -157,17 +157,23 @@ void bind_runtime(py::module_ m) {
       .def(
           "run",
           [](Executor& e, py::function forward, py::object input_grad,
-             py::object weight_grad) {
-            const runtime::StageFunctions fns =
+             py::object weight_grad,
+             std::map<std::pair<int32_t, int32_t>, std::vector<int64_t>>
+                 shapes) {
+            runtime::StageFunctions fns =
                 wrap_functions(std::move(forward), std::move(input_grad),
                                std::move(weight_grad));
+            fns.shapes = std::move(shapes);
             py::gil_scoped_release release;
             e.run(fns);
           },
           "Runs one step with this step's stage callables; blocks (without "
-          "the GIL) until it is done.",
+          "the GIL) until it is done. `shapes` maps (value, microbatch) to "
+          "the shape that microbatch has where it differs from the plan's.",
           py::arg("forward"), py::arg("input_grad") = py::none(),
-          py::arg("weight_grad") = py::none())
+          py::arg("weight_grad") = py::none(),
+          py::arg("shapes") =
+              std::map<std::pair<int32_t, int32_t>, std::vector<int64_t>>{})
       .def_property_readonly("rank", &Executor::rank)
       .def_property_readonly("step_start_unix_ns",
                              &Executor::step_start_unix_ns)

@@ -184,6 +184,12 @@ const ValueInfo& Executor::value(int32_t id) const {
   return it->second;
 }
 
+const std::vector<int64_t>& Executor::shape_of(int32_t value_id, int32_t mb,
+                                               const State& st) const {
+  const auto it = st.fns->shapes.find({value_id, mb});
+  return it != st.fns->shapes.end() ? it->second : value(value_id).shape;
+}
+
 const StageInfo& Executor::stage(int32_t id) const {
   const auto it = stages_.find(id);
   TORCH_INTERNAL_ASSERT(it != stages_.end(), "no description of stage ", id);
@@ -219,8 +225,9 @@ void Executor::post_recv(size_t index, State& st) {
     buffer = at::empty_like(tied_.at(ins.value), at::MemoryFormat::Contiguous);
   } else {
     const ValueInfo& v = value(ins.value);
-    buffer = at::empty(
-        v.shape, at::TensorOptions().dtype(v.dtype).device(options_.device));
+    buffer =
+        at::empty(shape_of(v.id, ins.microbatch, st),
+                  at::TensorOptions().dtype(v.dtype).device(options_.device));
   }
   State::Posted posted;
   posted.request = transport_->irecv(buffer, ins.peer, ins.tag);
@@ -365,12 +372,13 @@ void Executor::forward(const Task& task, State& st) {
   for (size_t i = 0; i < si.outputs.size(); ++i) {
     const ValueInfo& v = value(si.outputs[i]);
     const at::Tensor& out = outs[i];
-    if (out.sizes().vec() != v.shape || out.scalar_type() != v.dtype) {
+    const std::vector<int64_t>& shape = shape_of(v.id, mb, st);
+    if (out.sizes().vec() != shape || out.scalar_type() != v.dtype) {
       throw ExecutorError(c10::str(
           "torchmpmd: rank ", rank_, ": ", schedule::to_string(task),
           " produced '", v.name, "' with shape ",
           shape_str(out.sizes(), out.scalar_type()),
-          " but the stage plan expects ", shape_str(v.shape, v.dtype),
+          " but the stage plan expects ", shape_str(shape, v.dtype),
           "; it was not sent. Every microbatch must have the shape of the "
           "traced example (trace again for another shape)"));
     }
@@ -437,10 +445,33 @@ std::vector<at::Tensor> Executor::call_forward(const Task& task,
                                  outs.size(), " tensors, expected ", want));
   }
   if (autograd) {
+    check_gradient_path(task, outs);
     st.leaves[{task.stage, mb}] = std::move(inputs);
     st.outputs[{task.stage, mb}] = outs;
   }
   return outs;
+}
+
+void Executor::check_gradient_path(const Task& task,
+                                   const std::vector<at::Tensor>& outs) const {
+  const StageInfo& si = stage(task.stage);
+  for (size_t i = 0; i <= si.outputs.size() && i < outs.size(); ++i) {
+    const bool is_loss = i == si.outputs.size();
+    if (is_loss ? !si.has_loss : !value(si.outputs[i]).requires_grad) continue;
+    if (outs[i].requires_grad()) continue;
+    const std::string what =
+        is_loss ? std::string("its loss")
+                : c10::str("'", value(si.outputs[i]).name, "'");
+    throw ExecutorError(c10::str(
+        "torchmpmd: rank ", rank_, ": ", schedule::to_string(task),
+        " produced ", what,
+        " without a gradient path, but the stage plan says gradients flow "
+        "back through it: the parameters and inputs before it would "
+        "silently get none. The stage ran without autograd (torch.no_grad, "
+        ".detach() or a non-differentiable call) where the traced model "
+        "had it; make that part of stage ",
+        task.stage, " differentiable, or detach it in the model itself"));
+  }
 }
 
 void Executor::backward(const Task& task, State& st) {

@@ -81,6 +81,10 @@ struct StageFunctions {
   ForwardFn forward;
   InputGradFn input_grad;    // needed if any stage is split
   WeightGradFn weight_grad;  // needed if any stage is split
+  // The shape of (value, microbatch) where this step's microbatch differs
+  // from the plan's (a smaller last microbatch); receives of that value and
+  // its gradient are allocated, and sends checked, with it.
+  std::map<std::pair<int32_t, int32_t>, std::vector<int64_t>> shapes;
 };
 
 struct ExecutorOptions {
@@ -137,6 +141,10 @@ class Executor {
   std::vector<at::Tensor> call_forward(const schedule::Task& task,
                                        std::vector<at::Tensor> inputs,
                                        bool keep, State& st);
+  // Autograd stages: every output the plan differentiates (and the loss)
+  // must have a gradient path, or earlier stages silently get no gradient.
+  void check_gradient_path(const schedule::Task& task,
+                           const std::vector<at::Tensor>& outs) const;
   void backward(const schedule::Task& task, State& st);
   void input_grad(const schedule::Task& task, State& st);
   void weight_grad(const schedule::Task& task, State& st);
@@ -146,6 +154,9 @@ class Executor {
   at::Tensor sum_grad_parts(int32_t value, int32_t mb, State& st);
   std::string describe(const schedule::Instruction& ins) const;
   const ValueInfo& value(int32_t id) const;
+  // The shape of `value` in microbatch `mb` of this step.
+  const std::vector<int64_t>& shape_of(int32_t value, int32_t mb,
+                                       const State& st) const;
   const StageInfo& stage(int32_t id) const;
 
   const int32_t rank_;

@@ -174,15 +174,6 @@ def test_output_unlike_the_plan_is_rejected_before_it_is_sent():
     ), str(err.value)
 
 
-def test_batch_that_does_not_split_into_traced_microbatches():
-    case, pipe, _batch, target = _setup("mlp")
-    local = LocalPipeline(pipe, mpmd.schedules.GPipe(M), 2, loss_fn=case.loss)
-    with pytest.raises(ValueError, match=re.escape("dimension 0 must split into 4 equal")):
-        local.runners[0].step(torch.randn(7, 16, dtype=torch.float64), target=target)
-    # Microbatches of another shape than the traced one are traced anew:
-    # tests/unit/test_variable_shapes.py.
-
-
 def test_loss_must_be_a_scalar():
     _case, pipe, batch, target = _setup("mlp")
     local = LocalPipeline(
@@ -210,3 +201,44 @@ def test_state_dict_round_trip_and_keys():
             assert torch.equal(p, other.get_parameter(fqn)), fqn
     with pytest.raises(KeyError, match="found no entry for"):
         local.runners[1].load_state_dict({"tok.weight": other.tok.weight})
+
+
+def test_stage_without_a_gradient_path_is_an_error():
+    # A stage whose output the plan differentiates but that comes out without
+    # autograd history (a region run without grad, a stray detach) would give
+    # every earlier parameter no gradient, silently. It must fail instead.
+    case, pipe, batch, target = _setup("mlp")
+    local = LocalPipeline(pipe, mpmd.schedules.OneFOneB(M), 2, loss_fn=case.loss, timeout=2.0)
+    runner = local.runners[0]
+    module = runner._stages._calls[0]
+    runner._stages._calls[0] = lambda *a: tuple(o.detach() for o in module(*a))
+    with pytest.raises(mpmd.PipelineError) as err:
+        local.step(*batch, target=target)
+    assert re.search(
+        r"torchmpmd: rank 0: F\(stage=0, mb=0\) produced '\w+' without a gradient path, but the "
+        r"stage plan says gradients flow back through it",
+        str(err.value),
+    ), str(err.value)
+
+
+def test_loss_without_a_gradient_path_is_an_error():
+    case, pipe, batch, target = _setup("mlp")
+    local = LocalPipeline(
+        pipe,
+        mpmd.schedules.OneFOneB(M),
+        2,
+        loss_fn=lambda out, y: case.loss(out, y).detach(),
+        timeout=2.0,
+    )
+    with pytest.raises(mpmd.PipelineError, match=r"produced its loss without a gradient path"):
+        local.step(*batch, target=target)
+
+
+def test_split_stage_without_a_gradient_path_is_an_error():
+    case, pipe, batch, target = _setup("mlp")
+    local = LocalPipeline(pipe, mpmd.schedules.ZBV(M), 2, loss_fn=case.loss, timeout=2.0)
+    stage = local.runners[0]._stages.modules[0]
+    forward = stage.forward
+    stage.forward = lambda *a: tuple(o.detach() for o in forward(*a))
+    with pytest.raises(ValueError, match=r"stage 0 \(split into I/W\) computes '\w+' without a"):
+        local.step(*batch, target=target)

@@ -256,6 +256,10 @@ def _trace_failure_message(exc: Exception, stack: list[tuple[str, str]]) -> str:
         )
     else:
         hint = "make that code traceable by torch.export (non-strict), or move it out of forward"
+    hint += (
+        "; or cut the model into stage modules by hand and run them eagerly: "
+        "mpmd.from_stages([stage0, stage1, ...], example_args)"
+    )
     return (
         f"mpmd.trace could not trace the model {where}{line}: {type(exc).__name__}: {first}. "
         f"To fix: {hint}."

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,7 +83,7 @@ class Pipe:
     def __init__(
         self,
         *,
-        stages: list[fx.GraphModule],
+        stages: Sequence[torch.nn.Module],
         stage_specs: list[StageSpec],
         transfers: list[TransferInfo],
         tied: dict[str, tuple[int, ...]],
@@ -99,8 +99,10 @@ class Pipe:
         parameter_aliases: dict[str, list[str]],
         tied_parameters: dict[int, torch.Tensor],
         trace_again: Callable[[tuple[Any, ...], dict[str, Any]], Pipe] | None = None,
+        activation_bytes: list[int] | None = None,
     ) -> None:
-        self._stages = stages
+        self._stages = list(stages)
+        self._activation_bytes = activation_bytes
         self.stage_specs = stage_specs
         self.transfers = transfers
         self.tied = tied
@@ -137,10 +139,14 @@ class Pipe:
 
     def activation_bytes(self) -> list[int]:
         """Per stage, a rough bound on the bytes one microbatch's forward keeps
-        for the backward: every floating-point intermediate it computes."""
+        for the backward: every floating-point intermediate it computes (a
+        pipe of eager stages: what their example forward saved)."""
+        if self._activation_bytes is not None:
+            return list(self._activation_bytes)
         out = []
         for gm in self._stages:
             total = 0
+            assert isinstance(gm, fx.GraphModule)
             for n in gm.graph.nodes:
                 val = n.meta.get("val")
                 if (
@@ -156,8 +162,9 @@ class Pipe:
     def num_stages(self) -> int:
         return len(self._stages)
 
-    def stage(self, i: int) -> fx.GraphModule:
-        """The GraphModule of stage `i`: `stage(*inputs) -> tuple(outputs)`."""
+    def stage(self, i: int) -> torch.nn.Module:
+        """The module of stage `i` (a GraphModule when traced):
+        `stage(*inputs) -> tuple(outputs)`."""
         if not 0 <= i < self.num_stages:
             raise IndexError(f"Pipe has {self.num_stages} stages; stage {i} does not exist")
         return self._stages[i]
@@ -223,7 +230,11 @@ class Pipe:
             params = list(gm.parameters())
             n_params = sum(p.numel() for p in params)
             n_bytes = sum(p.numel() * p.element_size() for p in params)
-            n_ops = sum(1 for n in gm.graph.nodes if n.op == "call_function")
+            n_ops: int | str = (
+                sum(1 for n in gm.graph.nodes if n.op == "call_function")
+                if isinstance(gm, fx.GraphModule)
+                else "eager"
+            )
             stage_rows.append((i, n_params, human_bytes(n_bytes), n_ops))
         transfer_rows = [
             (

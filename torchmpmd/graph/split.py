@@ -56,6 +56,74 @@ def _mutates(node: fx.Node) -> bool:
     )
 
 
+# What selective recompute keeps: outputs of the ops whose recomputation
+# would cost most (matrix multiplications, attention, convolutions).
+SELECTIVE_KEPT_OPS = {
+    torch.ops.aten.mm,
+    torch.ops.aten.addmm,
+    torch.ops.aten.bmm,
+    torch.ops.aten.baddbmm,
+    torch.ops.aten.convolution,
+    torch.ops.aten._scaled_dot_product_flash_attention,
+    torch.ops.aten._scaled_dot_product_efficient_attention,
+    torch.ops.aten._scaled_dot_product_cudnn_attention,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+}
+
+
+def keeps(node: fx.Node) -> bool:
+    """Whether selective recompute keeps `node`'s value rather than recompute it:
+    costly ops, random ops (a replay would draw other numbers) and writes."""
+    target = node.target
+    if target is operator.getitem and isinstance(node.args[0], fx.Node):
+        return keeps(node.args[0])
+    if not isinstance(target, torch._ops.OpOverload):
+        return True
+    return (
+        target.overloadpacket in SELECTIVE_KEPT_OPS
+        or torch.Tag.nondeterministic_seeded in target.tags
+        or target._schema.is_mutable
+    )
+
+
+def _rematerialize(gm: fx.GraphModule, outs: Sequence[Any], tangents: Sequence[fx.Node]) -> None:
+    """Makes the backward nodes of a joint graph recompute the forward values
+    they read that selective recompute does not keep (copies placed before
+    the first node that reads an output gradient), so F saves only kept
+    values and its inputs."""
+    graph = gm.graph
+    forward = {n for n in _ancestors(outs) if n.op == "call_function"}
+    nodes = list(graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    after_tangents: set[fx.Node] = set(tangents)
+    for n in nodes:
+        if n not in after_tangents and any(a in after_tangents for a in n.all_input_nodes):
+            after_tangents.add(n)
+    first = next((n for n in nodes if n.op == "call_function" and n in after_tangents), None)
+    if first is None:
+        return
+    copies: dict[fx.Node, fx.Node] = {}
+
+    def recomputed(value: fx.Node) -> fx.Node:
+        if value not in forward or keeps(value) or position[value] > position[first]:
+            return value
+        if value not in copies:
+            args = fx.map_arg(value.args, recomputed)
+            kwargs = fx.map_arg(value.kwargs, recomputed)
+            with graph.inserting_before(first):
+                copy = graph.call_function(value.target, args, kwargs)  # type: ignore[arg-type]
+            copy.meta = dict(value.meta)
+            copies[value] = copy
+        return copies[value]
+
+    for node in nodes[position[first] :]:
+        if node.op == "call_function" and node not in forward:
+            node.args = fx.map_arg(node.args, recomputed)
+            node.kwargs = fx.map_arg(node.kwargs, recomputed)
+    graph.lint()
+    gm.recompile()
+
+
 def _subgraph(
     source: fx.GraphModule, part: set[fx.Node], inputs: Sequence[fx.Node], outputs: Sequence[Any]
 ) -> fx.GraphModule:
@@ -101,8 +169,12 @@ def split_joint(
     params: list[torch.Tensor],
     inputs: list[torch.Tensor],
     grad_inputs: list[int],
+    selective: bool = False,
 ) -> _Joint:
     """Traces fn(params, inputs) -> outputs with its backward, and splits it.
+
+    With `selective`, F passes on only the outputs of matmuls, attention and
+    random ops (`keeps`); the backward recomputes everything else it reads.
 
     `grad_inputs` are the positions in `inputs` whose gradients I returns.
     Gradients go to every parameter that requires grad.
@@ -150,6 +222,8 @@ def split_joint(
     n_out = len(probe)
     outs, grads = out_nodes[:n_out], out_nodes[n_out:]
     grads_x, grads_p = grads[: len(grad_inputs)], grads[len(grad_inputs) :]
+    if selective:
+        _rematerialize(gm, outs, placeholders[len(params) + len(inputs) :])
 
     forward_part = {n for n in _ancestors(outs) if n.op == "call_function"}
     backward = {n for n in gm.graph.nodes if n.op == "call_function" and n not in forward_part}
@@ -232,6 +306,7 @@ class SplitStage:
         grad_inputs: list[int],
         compile_options: dict[str, Any] | None,
         loss_output: int | None = None,
+        selective: bool = False,
     ) -> None:
         dynamic = next(
             (
@@ -274,7 +349,7 @@ class SplitStage:
             return [*outs, *(buffers[i] for i in self._updated)]
 
         state = self._params + self._buffers
-        self.joint = split_joint(fn, state, example_inputs, grad_inputs)
+        self.joint = split_joint(fn, state, example_inputs, grad_inputs, selective)
         self._loss_output = loss_output
         self._forward: Callable[..., Any] = self.joint.forward
         self._input_grad: Callable[..., Any] = self.joint.input_grad

@@ -62,6 +62,7 @@ class Options:
     max_early_recvs: int
     split_backward: bool | str
     compile_options: Mapping[str, Any] | None
+    selective_recompute: frozenset[int] = frozenset()
 
 
 class CompiledPipe:
@@ -96,6 +97,7 @@ class CompiledPipe:
             num_microbatches=m,
             split=self._choose_split(options.split_backward),
             compile_options=options.compile_options,
+            selective=set(options.selective_recompute) & set(self.local_stages),
         )
         self._tied = {
             node: self.stages.modules[tied_names[id(param)][0]].get_parameter(
@@ -106,6 +108,25 @@ class CompiledPipe:
         }
         self.executor = self._executor(self.program, training=True)
         self._eval_executor: _C.runtime.Executor | None = None
+
+    def shapes_of(self, other: CompiledPipe, mb: int) -> dict[tuple[int, int], list[int]]:
+        """The shapes `other`'s transfers have, as (value, `mb`) -> shape for
+        this pipe's executor, which then runs microbatch `mb` of `other`'s shapes."""
+        mine = [(t.value, t.name, t.spec.dtype, t.requires_grad) for t in self.pipe.transfers]
+        theirs = [(t.value, t.name, t.spec.dtype, t.requires_grad) for t in other.pipe.transfers]
+        if mine != theirs:
+            raise ValueError(
+                f"microbatch {mb} has other input shapes than microbatch 0, and traced for them "
+                "the model sends other values between stages "
+                f"({[t[1] for t in theirs]} instead of {[t[1] for t in mine]}); split the model "
+                "at points that do not depend on the shapes, or pass a batch that divides into "
+                "equal microbatches"
+            )
+        return {
+            (t.value, mb): list(t.spec.shape)
+            for t, own in zip(other.pipe.transfers, self.pipe.transfers, strict=True)
+            if t.spec.shape != own.spec.shape
+        }
 
     def eval_executor(self) -> _C.runtime.Executor:
         """The forward-only executor (the schedule's F tasks), made on first use."""
@@ -120,13 +141,14 @@ class CompiledPipe:
         return self._eval_executor
 
     def _check_recompute(self) -> None:
-        recomputed = sorted({t.stage for t in self.program.tasks(self.rank) if t.kind == "R"})
-        for s in recomputed:
+        recomputed = {t.stage for t in self.program.tasks(self.rank) if t.kind == "R"}
+        recomputed |= set(self._options.selective_recompute) & set(self.local_stages)
+        for s in sorted(recomputed):
             if self.pipe.stage_specs[s].updates_buffers:
                 raise ValueError(
                     f"stage {s} (rank {self.rank}) updates buffers in its forward (e.g. BatchNorm "
-                    "running statistics) and its schedule recomputes it (R tasks): the update "
-                    "would apply twice; leave this stage out of recompute"
+                    "running statistics) and it is recomputed (R tasks or selective "
+                    "recompute): the update would apply twice; leave this stage out of recompute"
                 )
 
     def _choose_split(self, split_backward: bool | str) -> set[int]:

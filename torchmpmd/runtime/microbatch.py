@@ -18,7 +18,10 @@ class Microbatcher:
 
     Tensors split along dim 0 unless `chunk_dims` names another dimension
     (None: every microbatch gets the whole tensor); other values are
-    replicated. Each microbatch is checked against the traced example.
+    replicated. A batch that does not divide evenly splits like
+    `torch.tensor_split`: the first `size % m` microbatches hold one row
+    more than the rest (so a partial last batch works). Each microbatch is
+    checked against the example its pipe was traced with.
     """
 
     def __init__(
@@ -49,17 +52,15 @@ class Microbatcher:
                 columns.append([value] * m)
         return [list(row) for row in zip(*columns, strict=True)]
 
-    def check(self, rows: list[list[Any]]) -> list[list[Any]]:
-        """`rows`, each checked against the traced example."""
-        for i, row in enumerate(rows):
-            for name, expected, value in zip(
-                self._pipe.input_names, self._pipe.input_specs, row, strict=True
-            ):
-                if isinstance(value, torch.Tensor):
-                    _check_microbatch(name, expected, value, i)
-                else:
-                    check_input(name, expected, value)
-        return rows
+    def check(self, i: int, row: list[Any]) -> None:
+        """Checks microbatch `i`'s flat inputs against the traced example."""
+        for name, expected, value in zip(
+            self._pipe.input_names, self._pipe.input_specs, row, strict=True
+        ):
+            if isinstance(value, torch.Tensor):
+                _check_microbatch(name, expected, value, i)
+            else:
+                check_input(name, expected, value)
 
     def targets(self, target: Any) -> list[Any]:
         """Per microbatch, its piece of `target` (None: no target)."""
@@ -95,14 +96,15 @@ def to_device(value: Any, device: torch.device) -> Any:
 
 def _chunk(value: torch.Tensor, m: int, dim: int, name: str) -> list[torch.Tensor]:
     size = value.shape[dim] if value.dim() > dim else None
-    if size is None or size % m:
+    if size is None or size < m:
         raise ValueError(
             f"input '{name}' has shape {tuple(value.shape)}: dimension {dim} must split into "
-            f"{m} equal microbatches; pass a batch that is a multiple of num_microbatches, or "
-            f"chunk_dims={{'{name}': ...}} to split along another dimension (None: replicate)"
+            f"{m} microbatches of at least one row each; pass a batch of at least "
+            f"num_microbatches={m} rows, or chunk_dims={{'{name}': ...}} to split along another "
+            "dimension (None: replicate)"
         )
     # Contiguous, like the traced example: graphs may view their inputs.
-    return [piece.contiguous() for piece in torch.chunk(value, m, dim)]
+    return [piece.contiguous() for piece in torch.tensor_split(value, m, dim)]
 
 
 def _check_microbatch(name: str, expected: Any, piece: torch.Tensor, i: int) -> None:

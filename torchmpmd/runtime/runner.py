@@ -43,8 +43,13 @@ class PipelineRunner:
     the copies of tied parameters receive the same summed gradient, so any
     optimizer keeps them equal.
 
-    `recompute=True` (or a collection of stage indices) runs those stages
-    with activation checkpointing: `schedule.with_recompute(...)`.
+    `recompute` trades compute for activation memory, per stage, for models
+    without checkpointing in their code: `"full"` (or True, or a collection
+    of stage indices) re-runs a stage's forward right before its backward
+    (`schedule.with_recompute(...)`), keeping only its inputs;
+    `"selective"` keeps the outputs of matrix multiplications and attention
+    and recomputes everything else (norms, activations, elementwise ops) in
+    the backward; a mapping `{stage: "full" | "selective"}` chooses per stage.
 
     Batch size and sequence length may change between steps: a microbatch
     shape not seen before is traced once more from the model (on every rank
@@ -70,15 +75,16 @@ class PipelineRunner:
         max_early_recvs: int = 64,
         split_backward: bool | str = "auto",
         compile: bool | Mapping[str, Any] = False,
-        recompute: bool | Iterable[int] = False,
+        recompute: bool | str | Iterable[int] | Mapping[int, str] = False,
     ) -> None:
         if not isinstance(pipe, Pipe):
             raise TypeError(f"PipelineRunner needs an mpmd.Pipe, got {type(pipe).__name__}")
         self._transport = _connect(group, transport)
         self.rank: int = self._transport.rank
         self.num_ranks: int = self._transport.size
-        if recompute is not False:
-            schedule = schedule.with_recompute(None if recompute is True else recompute)
+        full, selective = _recompute_policy(recompute, pipe.num_stages)
+        if full:
+            schedule = schedule.with_recompute(full)
         self._pipe = pipe
         self.num_microbatches = schedule.num_microbatches
         self.device = _pick_device(device, group, c10d=transport is None)
@@ -95,6 +101,7 @@ class PipelineRunner:
             max_early_recvs=max_early_recvs,
             split_backward=split_backward,
             compile_options=None if compile is False else ({} if compile is True else compile),
+            selective_recompute=selective,
         )
         first = CompiledPipe(pipe, self._options, shared=None)
         self._first = first
@@ -108,19 +115,27 @@ class PipelineRunner:
         self.num_traces = 0
         self.timeline: Timeline | None = None
 
-    def _microbatches(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[CompiledPipe, list[list[Any]]]:
-        """The microbatches' flat inputs, and the compiled pipe for their
-        signature (traced on first sight)."""
-        rows = self._first.microbatcher.rows(args, kwargs)
-        signature = signature_of(rows[0])
+    def _compiled_for(self, row: list[Any]) -> CompiledPipe:
+        """The compiled pipe for one microbatch's inputs (traced on first sight)."""
+        signature = signature_of(row)
         compiled = self._compiled.get(signature)
         if compiled is None:
-            compiled = CompiledPipe(self._pipe.retrace(rows[0]), self._options, shared=self._first)
+            compiled = CompiledPipe(self._pipe.retrace(row), self._options, shared=self._first)
             self._compiled[signature] = compiled
             self.num_traces += 1
-        return compiled, compiled.microbatcher.check(rows)
+        return compiled
+
+    def _microbatches(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Batch:
+        """The microbatches' flat inputs, and per microbatch the compiled pipe
+        for its signature (a batch that does not divide evenly has two)."""
+        rows = self._first.microbatcher.rows(args, kwargs)
+        per_mb = [self._compiled_for(row) for row in rows]
+        shapes: dict[tuple[int, int], list[int]] = {}
+        for i, (row, compiled) in enumerate(zip(rows, per_mb, strict=True)):
+            compiled.microbatcher.check(i, row)
+            if compiled is not per_mb[0]:
+                shapes.update(per_mb[0].shapes_of(compiled, i))
+        return _Batch(inputs=rows, per_mb=per_mb, shapes=shapes)
 
     # ---- public API
 
@@ -131,11 +146,13 @@ class PipelineRunner:
         `(loss_fn(model(mb), target_mb) / num_microbatches).backward()` would.
         Returns the mean loss on every rank.
         """
-        compiled, inputs = self._microbatches(args, kwargs)
-        step = Step(inputs=inputs, targets=compiled.microbatcher.targets(target))
-        compiled.stages.prepare(step)
-        fns = Training(compiled.stages, step)
-        compiled.executor.run(fns.forward, fns.input_grad, fns.weight_grad)
+        batch = self._microbatches(args, kwargs)
+        compiled = batch.per_mb[0]
+        step = Step(inputs=batch.inputs, targets=compiled.microbatcher.targets(target))
+        for mb, c in batch.first_uses():
+            c.stages.prepare(step, mb)
+        fns = Training([c.stages for c in batch.per_mb], step)
+        compiled.executor.run(fns.forward, fns.input_grad, fns.weight_grad, shapes=batch.shapes)
         self.timeline = from_records(
             self.rank,
             self.num_ranks,
@@ -154,12 +171,14 @@ class PipelineRunner:
     def eval_step(self, *args: Any, **kwargs: Any) -> Any:
         """Forward only, keeping no autograd state; the model's output for the
         whole batch (microbatch outputs concatenated) on every rank."""
-        compiled, inputs = self._microbatches(args, kwargs)
-        step = Step(inputs=inputs, targets=[])
-        compiled.eval_executor().run(Evaluation(compiled.stages, step).forward)
-        flat = self._share_outputs(compiled.pipe, step.outputs)
-        names = [n for n in compiled.pipe.output_names if n is not None]
-        return compiled.pipe.unflatten_outputs(dict(zip(names, flat, strict=True)))
+        batch = self._microbatches(args, kwargs)
+        step = Step(inputs=batch.inputs, targets=[])
+        evaluation = Evaluation([c.stages for c in batch.per_mb], step)
+        batch.per_mb[0].eval_executor().run(evaluation.forward, shapes=batch.shapes)
+        pipe = batch.per_mb[0].pipe
+        flat = self._share_outputs([c.pipe for c in batch.per_mb], step.outputs)
+        names = [n for n in pipe.output_names if n is not None]
+        return pipe.unflatten_outputs(dict(zip(names, flat, strict=True)))
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """This rank's parameters, once each, under their names in the model."""
@@ -232,10 +251,13 @@ class PipelineRunner:
     def _share(self, tensor: torch.Tensor) -> None:
         broadcast(self._transport, tensor, self._loss_rank, self._timeout)
 
-    def _share_outputs(self, pipe: Pipe, outputs: list[list[Any] | None]) -> list[torch.Tensor]:
-        """The loss rank's merged outputs, on every rank (shapes come from the plan)."""
-        spec = pipe.stage_specs[pipe.num_stages - 1]
-        m = self.num_microbatches
+    def _share_outputs(
+        self, pipes: list[Pipe], outputs: list[list[Any] | None]
+    ) -> list[torch.Tensor]:
+        """The loss rank's merged outputs, on every rank (shapes come from the
+        plans of the microbatches' pipes)."""
+        specs = [p.stage_specs[p.num_stages - 1] for p in pipes]
+        spec = specs[0]
         out = []
         for i, one in enumerate(spec.output_specs[spec.num_sends :]):
             if one is None:
@@ -246,11 +268,66 @@ class PipelineRunner:
             if self.rank == self._loss_rank:
                 t = merge([_done(o)[i] for o in outputs]).contiguous()
             else:
-                shape = (one.shape[0] * m, *one.shape[1:]) if one.shape else (m,)
+                pieces = [s.output_specs[s.num_sends + i] for s in specs]
+                rows = sum(p.shape[0] if p is not None and p.shape else 1 for p in pieces)
+                shape = (rows, *one.shape[1:]) if one.shape else (rows,)
                 t = torch.empty(shape, dtype=one.dtype, device=self.device)
             self._share(t)
             out.append(t)
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    """One call's microbatches: flat inputs, compiled pipe and transfer shapes."""
+
+    inputs: list[list[Any]]
+    per_mb: list[CompiledPipe]
+    # (value, microbatch) -> shape, where a microbatch's differ from the first's
+    shapes: dict[tuple[int, int], list[int]]
+
+    def first_uses(self) -> list[tuple[int, CompiledPipe]]:
+        """Each distinct compiled pipe with the first microbatch it runs."""
+        seen: dict[int, tuple[int, CompiledPipe]] = {}
+        for mb, c in enumerate(self.per_mb):
+            seen.setdefault(id(c), (mb, c))
+        return list(seen.values())
+
+
+def _recompute_policy(
+    recompute: bool | str | Iterable[int] | Mapping[int, str], num_stages: int
+) -> tuple[frozenset[int], frozenset[int]]:
+    """The stages recomputed in full (R tasks) and selectively."""
+    every = range(num_stages)
+    if recompute is False:
+        return frozenset(), frozenset()
+    if recompute is True or recompute == "full":
+        return frozenset(every), frozenset()
+    if recompute == "selective":
+        return frozenset(), frozenset(every)
+    if isinstance(recompute, str):
+        raise ValueError(
+            f"recompute={recompute!r}: use 'full', 'selective', True, stage indices or "
+            "{stage: 'full' | 'selective'}"
+        )
+    modes = (
+        dict(recompute.items())
+        if isinstance(recompute, Mapping)
+        else dict.fromkeys(recompute, "full")
+    )
+    for stage, mode in modes.items():
+        if not isinstance(stage, int) or not 0 <= stage < num_stages:
+            raise ValueError(
+                f"recompute names stage {stage!r}; the pipeline has stages 0..{num_stages - 1}"
+            )
+        if mode not in ("full", "selective"):
+            raise ValueError(
+                f"recompute[{stage}] = {mode!r}: a stage is recomputed 'full' or 'selective'"
+            )
+    return (
+        frozenset(s for s, m in modes.items() if m == "full"),
+        frozenset(s for s, m in modes.items() if m == "selective"),
+    )
 
 
 def _connect(group: dist.ProcessGroup | None, transport: Transport | None) -> Transport:

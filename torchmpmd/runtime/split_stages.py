@@ -3,7 +3,7 @@
 The cut itself is `graph.split`; this module gives it the function to trace:
 the stage's forward over (parameters, buffers, tensor inputs), followed on
 the last stage by the loss, with non-tensor inputs and target leaves baked in
-from the first microbatch.
+from the microbatch it is traced with.
 """
 
 from __future__ import annotations
@@ -14,13 +14,44 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.utils._pytree as pytree
 
+from ..graph.eager import EagerStage
 from ..graph.split import SplitStage
+from .autograd_split import AutogradSplit
 from .microbatch import to_device
 
 if TYPE_CHECKING:
     from .stages import LocalStages, Step
 
 __all__: list[str] = []
+
+
+def autograd_forward(
+    split: AutogradSplit,
+    stages: LocalStages,
+    step: Step,
+    stage: int,
+    mb: int,
+    received: list[torch.Tensor],
+) -> list[torch.Tensor]:
+    """F of an eager split stage: sends (and on the last stage loss / m,
+    then the loss), with the autograd graph kept for I and W."""
+    spec = stages.pipe.stage_specs[stage]
+    grad_values = {t.value for t in stages.pipe.transfers if t.requires_grad}
+    leaves = [
+        r.detach().requires_grad_(v in grad_values)
+        for r, v in zip(received, spec.recv_values, strict=True)
+    ]
+    with torch.enable_grad():
+        outs = stages.call(step, stage, mb, leaves)
+        sends, loss = stages.sends_and_loss(stage, outs, step.targets[mb], mb)
+        scaled = None if loss is None else loss / stages.num_microbatches
+    split.keep(
+        mb, sends if scaled is None else [*sends, scaled], [x for x in leaves if x.requires_grad]
+    )
+    result = [s.detach() for s in sends]
+    if scaled is None or loss is None:
+        return result
+    return [*result, scaled.detach(), loss.detach()]
 
 
 def split_inputs(
@@ -36,29 +67,52 @@ def split_inputs(
     return xs
 
 
-def build_split_stage(stages: LocalStages, stage: int, step: Step) -> SplitStage:
-    """Traces `stage` on the step's first microbatch and cuts it into F/I/W."""
+def build_split_stage(
+    stages: LocalStages, stage: int, step: Step, mb: int
+) -> SplitStage | AutogradSplit:
+    """Traces `stage` on the step's microbatch `mb` and cuts it into F/I/W
+    (an eager stage splits through autograd instead)."""
     pipe = stages.pipe
+    module = stages.modules[stage]
+    if isinstance(module, EagerStage):
+        return AutogradSplit(list(module.parameters()))
+    assert isinstance(module, torch.fx.GraphModule)
     spec = pipe.stage_specs[stage]
     received = [
         torch.zeros(s.shape, dtype=s.dtype, device=stages.device)
         for s in spec.input_specs[spec.num_user_inputs :]
         if s is not None
     ]
-    user_all = stages.user_inputs(step, stage, 0)
+    user_all = stages.user_inputs(step, stage, mb)
     n_user = sum(isinstance(v, torch.Tensor) for v in user_all)
     grad_values = {t.value for t in pipe.transfers if t.requires_grad}
     try:
-        return SplitStage(
-            stages.modules[stage],
-            _stage_function(stages, stage, user_all, len(received), step.targets[0]),
-            split_inputs(stages, step, stage, 0, received),
+        split = SplitStage(
+            module,
+            _stage_function(stages, stage, user_all, len(received), step.targets[mb]),
+            split_inputs(stages, step, stage, mb, received),
             [n_user + i for i, v in enumerate(spec.recv_values) if v in grad_values],
             stages.compile_options,
             loss_output=spec.num_sends if stage == stages.last else None,
+            selective=stage in stages.selective,
         )
     except ValueError as err:  # what the stage holds that cannot be split
         raise ValueError(f"stage {stage}: {err}") from None
+    differentiated = [i for i, v in enumerate(spec.send_values) if v in grad_values]
+    if stage == stages.last:
+        differentiated.append(spec.num_sends)
+    for i in differentiated:
+        if i not in split.joint.tangent_outputs:
+            what = f"'{spec.output_names[i]}'" if i < spec.num_sends else "its loss"
+            raise ValueError(
+                f"stage {stage} (split into I/W) computes {what} without a gradient path, but "
+                "the stage plan says gradients flow back through it: the parameters and inputs "
+                "before it would silently get none. The stage ran without autograd "
+                "(torch.no_grad, .detach() or a non-differentiable call) where the traced "
+                f"model had it; make that part of stage {stage} differentiable, or detach it "
+                "in the model itself"
+            )
+    return split
 
 
 def _stage_function(
@@ -83,6 +137,8 @@ def _stage_function(
         for slot, x in zip(tensor_slots, xs, strict=False):
             user[slot] = x
         received = xs[len(tensor_slots) : len(tensor_slots) + n_received]
+        # Selective recompute of a split stage is a rewrite of its joint
+        # graph (SplitStage), not a checkpoint call, which make_fx would undo.
         outs = torch.func.functional_call(module, state, (*user, *received))
         if not last:
             return stages.sends_and_loss(stage, outs, None, 0)[0]

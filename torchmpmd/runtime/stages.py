@@ -15,11 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from ..graph.pipe import Pipe
-from ..graph.split import SplitStage
+from ..graph.split import SELECTIVE_KEPT_OPS, SplitStage
+from .autograd_split import AutogradSplit
 from .microbatch import to_device
-from .split_stages import build_split_stage, split_inputs
+from .split_stages import autograd_forward, build_split_stage, split_inputs
 
 __all__: list[str] = []
 
@@ -54,6 +57,7 @@ class LocalStages:
         num_microbatches: int,
         split: set[int],
         compile_options: Mapping[str, Any] | None,
+        selective: set[int] | None = None,
     ) -> None:
         self.pipe = pipe
         self.ids = stages
@@ -61,6 +65,8 @@ class LocalStages:
         self.last = pipe.num_stages - 1
         self.num_microbatches = num_microbatches
         self.split = split
+        # Stages whose backward recomputes all but matmul and attention outputs.
+        self.selective = set(selective or ())
         self.compile_options = None if compile_options is None else dict(compile_options)
         self._loss_fn = loss_fn
         self.modules = {s: pipe.stage(s).to(device) for s in stages}
@@ -79,12 +85,16 @@ class LocalStages:
             ]
             for s in stages
         }
-        self.split_graphs: dict[int, SplitStage] = {}
+        self.split_graphs: dict[int, SplitStage | AutogradSplit] = {}
 
-    def prepare(self, step: Step) -> None:
-        """Traces the F/I/W graphs of split stages, at the first step (with its values)."""
+    def prepare(self, step: Step, mb: int) -> None:
+        """Traces the F/I/W graphs of split stages, at the first step that
+        runs them (with the values of its microbatch `mb`)."""
         for stage in sorted(self.split - set(self.split_graphs)):
-            self.split_graphs[stage] = build_split_stage(self, stage, step)
+            self.split_graphs[stage] = build_split_stage(self, stage, step, mb)
+        for graphs in self.split_graphs.values():
+            if isinstance(graphs, AutogradSplit):
+                graphs.reset()  # what a failed step left
 
     def user_inputs(self, step: Step, stage: int, mb: int) -> list[Any]:
         """The model inputs `stage` reads, for microbatch `mb`, on the device."""
@@ -97,7 +107,17 @@ class LocalStages:
 
     def call(self, step: Step, stage: int, mb: int, received: list[torch.Tensor]) -> Any:
         """The stage's plain forward: its sent values, then (last stage) the model outputs."""
-        return self._calls[stage](*self.user_inputs(step, stage, mb), *received)
+        return self.run_stage(
+            stage, self._calls[stage], *self.user_inputs(step, stage, mb), *received
+        )
+
+    def run_stage(self, stage: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)`, under selective recompute if `stage` has it and grad is on."""
+        if stage in self.selective and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(
+                fn, *args, use_reentrant=False, context_fn=selective_recompute_context
+            )
+        return fn(*args)
 
     def sends_and_loss(
         self, stage: int, outs: Any, target: Any, mb: int
@@ -124,18 +144,36 @@ class LocalStages:
         return loss.reshape(())
 
 
-class Training:
-    """The executor's callables for one training step."""
+def _keep_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    packet = getattr(op, "overloadpacket", op)
+    if packet in SELECTIVE_KEPT_OPS or torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
-    def __init__(self, stages: LocalStages, step: Step) -> None:
+
+def selective_recompute_context() -> tuple[Any, Any]:
+    contexts: tuple[Any, Any] = create_selective_checkpoint_contexts(_keep_matmuls)  # type: ignore[no-untyped-call]
+    return contexts
+
+
+class Training:
+    """The executor's callables for one training step.
+
+    `stages[mb]` runs microbatch `mb`: the local stages traced for its
+    shapes (the same parameters whatever the shapes)."""
+
+    def __init__(self, stages: list[LocalStages], step: Step) -> None:
         self._stages = stages
         self._step = step
 
     def forward(self, stage: int, mb: int, received: list[torch.Tensor]) -> list[torch.Tensor]:
-        st, step = self._stages, self._step
+        st, step = self._stages[mb], self._step
         split = st.split_graphs.get(stage)
         if split is not None:
-            result = split.forward(split_inputs(st, step, stage, mb, received))
+            if isinstance(split, AutogradSplit):
+                result = autograd_forward(split, st, step, stage, mb, received)
+            else:
+                result = split.forward(split_inputs(st, step, stage, mb, received))
             if stage != st.last:
                 return result
             # Outputs: sends, loss / m (differentiated), loss (reported); then saved.
@@ -152,22 +190,30 @@ class Training:
     def input_grad(
         self, stage: int, mb: int, saved: list[torch.Tensor], grads: list[torch.Tensor | None]
     ) -> list[torch.Tensor]:
-        input_grads, for_w = self._stages.split_graphs[stage].input_grad(saved, grads)
+        split = self._stages[mb].split_graphs[stage]
+        if isinstance(split, AutogradSplit):
+            last = stage == self._stages[mb].last
+            return split.input_grad(mb, [*grads, torch.ones(())] if last else list(grads))
+        input_grads, for_w = split.input_grad(saved, grads)
         return [*input_grads, *for_w]
 
     def weight_grad(self, stage: int, mb: int, saved: list[torch.Tensor]) -> None:
-        self._stages.split_graphs[stage].weight_grad(saved)
+        split = self._stages[mb].split_graphs[stage]
+        if isinstance(split, AutogradSplit):
+            split.weight_grad(mb)
+        else:
+            split.weight_grad(saved)
 
 
 class Evaluation:
-    """The executor's callables for one forward-only step."""
+    """The executor's callables for one forward-only step (`stages` as in `Training`)."""
 
-    def __init__(self, stages: LocalStages, step: Step) -> None:
+    def __init__(self, stages: list[LocalStages], step: Step) -> None:
         self._stages = stages
         self._step = step
 
     def forward(self, stage: int, mb: int, received: list[torch.Tensor]) -> list[torch.Tensor]:
-        st = self._stages
+        st = self._stages[mb]
         outs = st.call(self._step, stage, mb, received)
         n = st.pipe.stage_specs[stage].num_sends
         if stage == st.last:
