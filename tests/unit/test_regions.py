@@ -94,3 +94,36 @@ def test_bfloat16_parameters_train_like_eager(cls):
         tol=0.0,
     )
     assert {t.spec.dtype for t in local.pipes[0].transfers} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("cls", [S.OneFOneB, S.ZeroBubbleH1])
+def test_float32_master_weights_with_bfloat16_compute(cls):
+    # Traced under torch.autocast, the graph records the casts: parameters
+    # stay float32 (master weights, float32 gradients), matmuls run in
+    # bfloat16, and the transfers carry bfloat16, bitwise like eager autocast.
+    from torchmpmd.testing import LocalPipeline
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 16), nn.Linear(16, 8)
+        )
+
+    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (out.float() - y).square().mean()
+
+    model, ref = build(), build()
+    x, y = torch.randn(4 * M, 8), torch.randn(4 * M, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        pipe = mpmd.trace(model, (x[:4],), split_before=["3", "4"])
+    assert [t.spec.dtype for t in pipe.transfers] == [torch.bfloat16, torch.bfloat16]
+    local = LocalPipeline(pipe, cls(M), 3, loss_fn=loss, timeout=60)
+    local.step(x, target=y)
+    for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = ref(xb)
+        (loss(out, yb) / M).backward()
+    for runner in local.runners:
+        for fqn, p in runner.named_parameters():
+            assert p.dtype == p.grad.dtype == torch.float32, fqn
+            torch.testing.assert_close(p.grad, ref.get_parameter(fqn).grad, rtol=0, atol=0)
