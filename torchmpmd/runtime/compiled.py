@@ -99,7 +99,8 @@ class CompiledPipe:
             compile_options=options.compile_options,
             selective=set(options.selective_recompute) & set(self.local_stages),
         )
-        self._tied = {
+        # This rank's copy of each tied parameter it holds, by node id.
+        self.tied_parameters: dict[int, torch.nn.Parameter] = {
             node: self.stages.modules[tied_names[id(param)][0]].get_parameter(
                 tied_names[id(param)][1]
             )
@@ -189,7 +190,7 @@ class CompiledPipe:
             stages=stages,
             values=values,
             transport=options.transport,
-            tied=self._tied if training else {},
+            tied=dict(self.tied_parameters) if training else {},
             timeout_s=options.timeout,
             max_early_recvs=options.max_early_recvs,
             training=training,

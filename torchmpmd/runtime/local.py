@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from ..graph.pipe import Pipe
 from ..schedule.task import Schedule
 from .runner import PipelineRunner, StepOutput
@@ -46,6 +48,10 @@ class LocalPipeline:
 
     def eval_step(self, *args: Any, **kwargs: Any) -> list[Any]:
         return self._on_all(lambda r: r.eval_step(*args, **kwargs))
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> list[torch.Tensor]:
+        """`PipelineRunner.clip_grad_norm_` on every rank; the per-rank norms."""
+        return self._on_all(lambda r: r.clip_grad_norm_(max_norm, norm_type))
 
     def kill(self, rank: int) -> None:
         """Makes `rank` look dead to its peers (their receives from it fail)."""

@@ -225,6 +225,53 @@ class PipelineRunner:
         if strict and missing:
             raise KeyError(f"load_state_dict: rank {self.rank} found no entry for {missing}")
 
+    @torch.no_grad()
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clips the gradients of the whole pipeline by their global norm, as
+        `torch.nn.utils.clip_grad_norm_` on the unpipelined model would
+        (collective: call on every rank).
+
+        The norm is taken over every rank's gradients, each parameter once (a
+        tied parameter counts on the rank of its first stage only); every
+        local gradient, tied copies included, is scaled by
+        `min(1, max_norm / (norm + 1e-6))`. Returns the total norm on every rank.
+        """
+        norm_type = float(norm_type)
+        counted = self._counted_parameters()
+        grads = [p.grad for p in counted if p.grad is not None]
+        inf = norm_type == float("inf")
+        norms = torch.stack(
+            [torch.linalg.vector_norm(g.double(), norm_type) for g in grads]
+            or [torch.zeros((), dtype=torch.float64)]
+        )
+        local = norms.max() if inf else norms.pow(norm_type).sum()
+        parts = all_gather(self._transport, local.reshape(1, 1).to(self.device), self._timeout)
+        gathered = torch.cat([part.reshape(-1) for part in parts])
+        total = gathered.max() if inf else gathered.sum().pow(1.0 / norm_type)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(
+                f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is "
+                f"{float(total)}; pass error_if_nonfinite=False to clip anyway"
+            )
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.dtype))
+        dtype = grads[0].dtype if grads else torch.float32
+        return total.to(dtype)
+
+    def _counted_parameters(self) -> list[torch.nn.Parameter]:
+        """This rank's parameters that a global reduction counts: each once,
+        a tied one only on the rank that holds its first stage."""
+        not_here = set()
+        for node, param in self._first.tied_parameters.items():
+            first = min(self._pipe.plan.tied_stages(node))
+            if first not in self.local_stages:
+                not_here.add(id(param))
+        return [p for p in self.parameters() if id(p) not in not_here]
+
     def gather_timeline(self) -> Timeline:
         """The last step's measured timeline of every rank (collective: call on all ranks)."""
         if self.timeline is None:
