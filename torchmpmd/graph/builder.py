@@ -345,6 +345,7 @@ class GraphBuilder:
             parameter_aliases=aliases,
             tied_parameters={t.node: self.state[self.nodes[t.node].name] for t in plan.tied},
             trace_again=trace_again,
+            source=self.model,
         )
 
     def _fqn(self, node: fx.Node) -> str:

@@ -158,12 +158,26 @@ def _probe(
     devices = sorted(
         {p.device.index or 0 for s in stages for p in s.parameters() if p.device.type == "cuda"}
     )
+    # Stages on the meta device (a meta model, or another rank's stages
+    # after this rank allocated its own) are probed on meta copies of all.
+    on_meta = any(t.is_meta for s in stages for t in [*s.parameters(), *s.buffers()])
+    if on_meta:
+        args, kwargs = pytree.tree_map(
+            lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, (args, kwargs)
+        )
     outputs, specs, written, saved = [], [], [], []
     with torch.random.fork_rng(devices=devices), torch.enable_grad():
         prev: Any = None
         for i, stage in enumerate(stages):
             state = {id(t) for t in stage.parameters()}
             buffers = {name: b.clone() for name, b in stage.named_buffers(remove_duplicate=False)}
+            params: dict[str, torch.Tensor] = {}
+            if on_meta:
+                buffers = {name: b.to("meta") for name, b in buffers.items()}
+                params = {
+                    name: p.to("meta") for name, p in stage.named_parameters(remove_duplicate=False)
+                }
+                state |= {id(p) for p in params.values()}
             versions = {name: b._version for name, b in buffers.items()}
             count = [0]
 
@@ -178,12 +192,13 @@ def _probe(
             try:
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     out = torch.func.functional_call(
-                        stage, buffers, call_args, call_kwargs, strict=False
+                        stage, {**buffers, **params}, call_args, call_kwargs, strict=False
                     )
             except Exception as err:
+                where = " (probed on the meta device)" if on_meta else ""
                 raise RuntimeError(
                     f"mpmd.from_stages: stage {i} ({type(stage).__name__}) failed on the example "
-                    f"microbatch: {type(err).__name__}: {err}"
+                    f"microbatch{where}: {type(err).__name__}: {err}"
                 ) from err
             leaves, spec = pytree.tree_flatten(out)
             if i < len(stages) - 1:

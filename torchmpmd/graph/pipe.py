@@ -100,9 +100,13 @@ class Pipe:
         tied_parameters: dict[int, torch.Tensor],
         trace_again: Callable[[tuple[Any, ...], dict[str, Any]], Pipe] | None = None,
         activation_bytes: list[int] | None = None,
+        source: torch.nn.Module | None = None,
     ) -> None:
         self._stages = list(stages)
         self._activation_bytes = activation_bytes
+        # The model the stages were traced from (its own submodules, for
+        # `PipelineRunner.init_weights`); None for stages cut by hand.
+        self.source = source
         self.stage_specs = stage_specs
         self.transfers = transfers
         self.tied = tied

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -16,6 +16,7 @@ from ..schedule.program import Program
 from ..schedule.task import Schedule
 from ..schedule.timeline import Timeline, TimelineEvent, from_records
 from .compiled import CompiledPipe, Options, signature_of, traced_signature
+from .materialize import init_weights
 from .microbatch import merge
 from .stages import Evaluation, LossFn, Step, Training
 from .transport import C10dTransport, Transport, all_gather, broadcast
@@ -146,6 +147,7 @@ class PipelineRunner:
         `(loss_fn(model(mb), target_mb) / num_microbatches).backward()` would.
         Returns the mean loss on every rank.
         """
+        self._stages.allocation.check(self._stages.modules, self.rank)
         batch = self._microbatches(args, kwargs)
         compiled = batch.per_mb[0]
         step = Step(inputs=batch.inputs, targets=compiled.microbatcher.targets(target))
@@ -171,6 +173,7 @@ class PipelineRunner:
     def eval_step(self, *args: Any, **kwargs: Any) -> Any:
         """Forward only, keeping no autograd state; the model's output for the
         whole batch (microbatch outputs concatenated) on every rank."""
+        self._stages.allocation.check(self._stages.modules, self.rank)
         batch = self._microbatches(args, kwargs)
         step = Step(inputs=batch.inputs, targets=[])
         evaluation = Evaluation([c.stages for c in batch.per_mb], step)
@@ -179,6 +182,20 @@ class PipelineRunner:
         flat = self._share_outputs([c.pipe for c in batch.per_mb], step.outputs)
         names = [n for n in pipe.output_names if n is not None]
         return pipe.unflatten_outputs(dict(zip(names, flat, strict=True)))
+
+    def init_weights(self, fn: Callable[[torch.nn.Module], object]) -> None:
+        """Initialises this rank's stages: calls `fn(m)` on each of the model's
+        submodules that owns a parameter or buffer of a local stage, with this
+        rank's tensors in place of its own while `fn` runs (the model keeps
+        its own). The model's `reset_parameters` / `_init_weights` work as
+        `fn`; it must also compute non-persistent buffers (RoPE tables) of a
+        model built on the meta device, which no state dict holds."""
+        modules = {s: self._stages.modules[s] for s in self.local_stages}
+        if not init_weights(fn, modules, self._pipe.source, self._pipe.parameter_aliases):
+            raise ValueError(
+                f"init_weights: rank {self.rank} found no module of the model owning a tensor of "
+                f"its stages {self.local_stages}"
+            )
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """This rank's parameters, once each, under their names in the model."""

@@ -21,6 +21,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from ..graph.pipe import Pipe
 from ..graph.split import SELECTIVE_KEPT_OPS, SplitStage
 from .autograd_split import AutogradSplit
+from .materialize import allocate, retarget_devices
 from .microbatch import to_device
 from .split_stages import autograd_forward, build_split_stage, split_inputs
 
@@ -69,7 +70,12 @@ class LocalStages:
         self.selective = set(selective or ())
         self.compile_options = None if compile_options is None else dict(compile_options)
         self._loss_fn = loss_fn
-        self.modules = {s: pipe.stage(s).to(device) for s in stages}
+        modules = {s: pipe.stage(s) for s in stages}
+        # A model traced on the meta device: this rank's stages only, allocated here.
+        self.allocation = allocate(modules, device)
+        for m in modules.values():
+            retarget_devices(m, device)
+        self.modules = {s: m.to(device) for s, m in modules.items()}
         # What forward calls: the stage's GraphModule, or its compiled form
         # (the module itself keeps the parameters under the model's names).
         self._calls: dict[int, Callable[..., Any]] = {
