@@ -315,5 +315,6 @@ class runtime:
             | None = None,
             weight_grad: Callable[[int, int, list[torch.Tensor]], None] | None = None,
             shapes: dict[tuple[int, int], list[int]] = ...,
+            stage_done: Callable[[int], None] | None = None,
         ) -> None: ...
         def records(self) -> list[tuple[str, int, int, int, int, int]]: ...

@@ -158,22 +158,31 @@ void bind_runtime(py::module_ m) {
           "run",
           [](Executor& e, py::function forward, py::object input_grad,
              py::object weight_grad,
-             std::map<std::pair<int32_t, int32_t>, std::vector<int64_t>>
-                 shapes) {
+             std::map<std::pair<int32_t, int32_t>, std::vector<int64_t>> shapes,
+             py::object stage_done) {
             runtime::StageFunctions fns =
                 wrap_functions(std::move(forward), std::move(input_grad),
                                std::move(weight_grad));
             fns.shapes = std::move(shapes);
+            if (!stage_done.is_none()) {
+              auto done = hold(std::move(stage_done));
+              fns.stage_done = [done](int32_t stage) {
+                call_tensors(*done, stage);
+              };
+            }
             py::gil_scoped_release release;
             e.run(fns);
           },
           "Runs one step with this step's stage callables; blocks (without "
           "the GIL) until it is done. `shapes` maps (value, microbatch) to "
-          "the shape that microbatch has where it differs from the plan's.",
+          "the shape that microbatch has where it differs from the plan's; "
+          "`stage_done(stage)` runs after the task that finishes a local "
+          "stage's weight gradients.",
           py::arg("forward"), py::arg("input_grad") = py::none(),
           py::arg("weight_grad") = py::none(),
           py::arg("shapes") =
-              std::map<std::pair<int32_t, int32_t>, std::vector<int64_t>>{})
+              std::map<std::pair<int32_t, int32_t>, std::vector<int64_t>>{},
+          py::arg("stage_done") = py::none())
       .def_property_readonly("rank", &Executor::rank)
       .def_property_readonly("step_start_unix_ns",
                              &Executor::step_start_unix_ns)

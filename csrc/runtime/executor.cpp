@@ -153,6 +153,15 @@ Executor::Executor(int32_t rank, const schedule::Program& program,
       grad_parts_expected_[v] += n;
     }
   }
+  std::map<int32_t, size_t> last_weight_grads;
+  for (size_t i = 0; i < code_.size(); ++i) {
+    const Instruction& ins = code_[i];
+    if (ins.op == Op::kCompute &&
+        schedule::info(ins.task.kind).finishes_weight_grads) {
+      last_weight_grads[ins.task.stage] = i;
+    }
+  }
+  for (const auto& [stage, pc] : last_weight_grads) stage_done_at_[pc] = stage;
   for (const auto& [id, param] : tied_) {
     TORCH_CHECK(param.defined(), "torchmpmd: tied parameter ", id,
                 " is undefined on rank ", rank_);
@@ -684,6 +693,19 @@ void Executor::run(const StageFunctions& functions) {
     for (size_t pc = 0; pc < code_.size(); ++pc) {
       execute(pc, st);
       reap_sends(st, /*all=*/false);
+      if (functions.stage_done) {
+        const auto done = stage_done_at_.find(pc);
+        if (done != stage_done_at_.end()) {
+          try {
+            functions.stage_done(done->second);
+          } catch (const std::exception& e) {
+            throw ExecutorError(c10::str(
+                "torchmpmd: rank ", rank_, ": what runs once stage ",
+                done->second,
+                "'s weight gradients are done failed: ", message_of(e)));
+          }
+        }
+      }
     }
     reap_sends(st, /*all=*/true);
   } catch (const ExecutorError& e) {

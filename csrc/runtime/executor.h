@@ -85,6 +85,10 @@ struct StageFunctions {
   // from the plan's (a smaller last microbatch); receives of that value and
   // its gradient are allocated, and sends checked, with it.
   std::map<std::pair<int32_t, int32_t>, std::vector<int64_t>> shapes;
+  // Optional: called right after the task that finishes a local stage's
+  // weight gradients for the step (its last B or W), e.g. to start their
+  // data-parallel reduction while the rest of the schedule runs.
+  std::function<void(int32_t stage)> stage_done;
 };
 
 struct ExecutorOptions {
@@ -178,6 +182,8 @@ class Executor {
   std::set<std::pair<int32_t, int32_t>> recomputed_;
   // Tied parameters this rank sums over their holders (a REDUCE_TIED).
   std::vector<int32_t> reduced_tied_;
+  // Instruction index -> the stage whose weight gradients it finishes last.
+  std::map<size_t, int32_t> stage_done_at_;
   std::vector<TaskRecord> records_;
   int64_t step_start_unix_ns_ = 0;
 };

@@ -9,9 +9,11 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from .. import _C
 from ..graph.pipe import Pipe, unique_named_parameters
+from ..parallel.replicate import Replicate
 from ..schedule.program import Program
 from ..schedule.task import Schedule
 from ..schedule.timeline import Timeline, TimelineEvent, from_records
@@ -30,8 +32,10 @@ _T = TypeVar("_T")
 class StepOutput:
     """What `PipelineRunner.step` returns on every rank."""
 
-    loss: torch.Tensor  # mean over microbatches, as gradient accumulation weighs them
-    losses: torch.Tensor  # per microbatch
+    # Mean over microbatches, as gradient accumulation weighs them (with data
+    # parallelism: over the microbatches of every shard, the global batch's).
+    loss: torch.Tensor
+    losses: torch.Tensor  # per microbatch of this rank's batch
 
 
 class PipelineRunner:
@@ -77,9 +81,20 @@ class PipelineRunner:
         split_backward: bool | str = "auto",
         compile: bool | Mapping[str, Any] = False,
         recompute: bool | str | Iterable[int] | Mapping[int, str] = False,
+        mesh: DeviceMesh | None = None,
+        data_parallel: str | None = None,
+        bucket_bytes: int = 25 * 2**20,
     ) -> None:
         if not isinstance(pipe, Pipe):
             raise TypeError(f"PipelineRunner needs an mpmd.Pipe, got {type(pipe).__name__}")
+        dp_group: dist.ProcessGroup | None = None
+        if mesh is not None:
+            group, dp_group = _mesh_groups(mesh, group, transport)
+        elif data_parallel is not None:
+            raise ValueError(
+                f"data_parallel={data_parallel!r} needs mesh=: a DeviceMesh with dimensions "
+                "named 'pp' and 'dp'"
+            )
         self._transport = _connect(group, transport)
         self.rank: int = self._transport.rank
         self.num_ranks: int = self._transport.size
@@ -105,6 +120,22 @@ class PipelineRunner:
             selective_recompute=selective,
         )
         first = CompiledPipe(pipe, self._options, shared=None)
+        self.dp_size = 1 if dp_group is None else dist.get_world_size(dp_group)
+        self._dp_group = dp_group
+        self._dp: Replicate | None = None
+        if dp_group is not None:
+            mode = data_parallel or "replicate"
+            if mode != "replicate":
+                raise ValueError(
+                    f"data_parallel={mode!r}: this runner averages gradients by replication "
+                    "('replicate')"
+                )
+            self._dp = Replicate(
+                dp_group,
+                {s: first.stages.modules[s].parameters() for s in first.local_stages},
+                first.tied_parameters.values(),
+                bucket_bytes,
+            )
         self._first = first
         # One compiled pipe per input signature, the traced one first.
         self._compiled = {traced_signature(pipe): first}
@@ -154,7 +185,18 @@ class PipelineRunner:
         for mb, c in batch.first_uses():
             c.stages.prepare(step, mb)
         fns = Training([c.stages for c in batch.per_mb], step)
-        compiled.executor.run(fns.forward, fns.input_grad, fns.weight_grad, shapes=batch.shapes)
+        dp = self._dp
+        if dp is not None:
+            dp.start_step()
+        compiled.executor.run(
+            fns.forward,
+            fns.input_grad,
+            fns.weight_grad,
+            shapes=batch.shapes,
+            stage_done=None if dp is None else dp.stage_done,
+        )
+        if dp is not None:
+            dp.finish()
         self.timeline = from_records(
             self.rank,
             self.num_ranks,
@@ -167,7 +209,12 @@ class PipelineRunner:
         else:
             losses = torch.empty(self.num_microbatches, dtype=torch.float64, device=self.device)
         self._share(losses)
-        return StepOutput(loss=losses.mean(), losses=losses)
+        loss = losses.mean()
+        if self._dp_group is not None:
+            # The global batch's loss: the mean over every shard's microbatches.
+            dist.all_reduce(loss, group=self._dp_group)
+            loss /= self.dp_size
+        return StepOutput(loss=loss, losses=losses)
 
     @torch.no_grad()
     def eval_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -392,6 +439,25 @@ def _recompute_policy(
         frozenset(s for s, m in modes.items() if m == "full"),
         frozenset(s for s, m in modes.items() if m == "selective"),
     )
+
+
+def _mesh_groups(
+    mesh: DeviceMesh, group: dist.ProcessGroup | None, transport: Transport | None
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+    """The pipeline and data-parallel groups of a ("pp"[, "dp"]) DeviceMesh."""
+    if group is not None or transport is not None:
+        raise ValueError("PipelineRunner: pass mesh, or group / transport, not both")
+    names = tuple(mesh.mesh_dim_names or ())
+    unknown = [n for n in names if n not in ("pp", "dp")]
+    if "pp" not in names or unknown:
+        raise ValueError(
+            f"PipelineRunner: the mesh's dimensions are named {names}; name them 'pp' "
+            "(pipeline) and 'dp' (data parallel), e.g. init_device_mesh('cpu', (2, 2), "
+            "mesh_dim_names=('pp', 'dp'))"
+        )
+    pp = mesh.get_group("pp")
+    dp = mesh.get_group("dp") if "dp" in names else None
+    return pp, dp
 
 
 def _connect(group: dist.ProcessGroup | None, transport: Transport | None) -> Transport:

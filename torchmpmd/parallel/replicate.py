@@ -1,0 +1,140 @@
+"""Data parallelism by replication: each data-parallel rank holds the same
+stages, runs its own shard of the global batch, and the gradients are
+averaged over the data-parallel group.
+
+The averaging overlaps the schedule: the executor calls `stage_done(s)` right
+after the task that finishes stage s's weight gradients for the step (its
+last B or W), and the stage's gradients go out at once in buckets of at most
+`bucket_bytes` (one asynchronous all-reduce each), while the rank computes
+its other stages. `finish()` sends the tied parameters last, after the
+pipeline has summed their copies (so the average is of the sums, which is
+the sum of the averages every holder keeps), waits for every bucket and
+writes the averages back.
+
+A bucket carries one flag per parameter besides the gradients: a parameter
+no rank computed a gradient for (an unused MoE expert everywhere) keeps
+`.grad = None`, as in the unpipelined model; one that some rank did not
+reach counts zeros there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Replicate"]
+
+
+@dataclass(slots=True)
+class _Bucket:
+    params: list[torch.nn.Parameter]
+    flat: torch.Tensor  # gradients, then one has-gradient flag per parameter
+    work: dist.Work | None
+
+
+class Replicate:
+    """Averages the gradients of this rank's stages over `group`."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        stages: dict[int, Iterable[torch.nn.Parameter]],
+        tied: Iterable[torch.nn.Parameter],
+        bucket_bytes: int = 25 * 2**20,
+    ) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.bucket_bytes = bucket_bytes
+        tied_ids = {id(p) for p in tied}
+        seen = set(tied_ids)
+        self._stage_params: dict[int, list[torch.nn.Parameter]] = {}
+        for s, params in sorted(stages.items()):
+            own = []
+            for p in params:
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    own.append(p)
+            self._stage_params[s] = own
+        self._tied = [p for p in _unique(tied) if p.requires_grad]
+        self._buckets: list[_Bucket] = []
+
+    def start_step(self) -> None:
+        self._buckets = []
+
+    def stage_done(self, stage: int) -> None:
+        """Starts averaging `stage`'s gradients (all of this step's are final)."""
+        self._launch(self._stage_params.get(stage, []))
+
+    def finish(self) -> None:
+        """Averages the tied parameters, waits for every bucket, writes back."""
+        self._launch(self._tied)
+        for bucket in self._buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+            _write_back(bucket, self.size)
+        self._buckets = []
+
+    def _launch(self, params: list[torch.nn.Parameter]) -> None:
+        if self.size == 1:
+            return
+        for group in _buckets(params, self.bucket_bytes):
+            parts = [
+                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in group
+            ]
+            flags = torch.tensor(
+                [p.grad is not None for p in group], dtype=parts[0].dtype, device=parts[0].device
+            )
+            flat = torch.cat([*parts, flags])
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+            self._buckets.append(_Bucket(group, flat, work))
+
+
+def _write_back(bucket: _Bucket, size: int) -> None:
+    n = len(bucket.params)
+    flags = bucket.flat[-n:]
+    offset = 0
+    with torch.no_grad():
+        for p, flag in zip(bucket.params, flags.tolist(), strict=True):
+            numel = p.numel()
+            if flag:
+                mean = bucket.flat[offset : offset + numel].view_as(p) / size
+                if p.grad is None:
+                    p.grad = mean.clone()
+                else:
+                    p.grad.copy_(mean)
+            offset += numel
+
+
+def _buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[list[torch.nn.Parameter]]:
+    """Consecutive runs of parameters of one dtype and device, each at most
+    `bucket_bytes` (a larger parameter alone)."""
+    out: list[list[torch.nn.Parameter]] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        last = out[-1] if out else None
+        if (
+            last is None
+            or last[0].dtype != p.dtype
+            or last[0].device != p.device
+            or size + nbytes > bucket_bytes
+        ):
+            out.append([p])
+            size = nbytes
+        else:
+            last.append(p)
+            size += nbytes
+    return out
+
+
+def _unique(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    seen: set[int] = set()
+    out = []
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
