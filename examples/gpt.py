@@ -21,12 +21,17 @@ class GPTConfig:
     tie_embeddings: bool = True
 
 
+def residual_std(cfg: GPTConfig) -> float:
+    return 0.02 / math.sqrt(2 * cfg.layers)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.heads = cfg.heads
         self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
         self.proj = nn.Linear(cfg.dim, cfg.dim)
+        self.proj.init_std = residual_std(cfg)  # type: ignore[assignment]
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -48,6 +53,7 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(
             nn.Linear(cfg.dim, 4 * cfg.dim), nn.GELU(), nn.Linear(4 * cfg.dim, cfg.dim)
         )
+        self.mlp[2].init_std = residual_std(cfg)  # type: ignore[assignment]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -66,19 +72,23 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.tok.weight
-        self.apply(self._init)
-        for name, p in self.named_parameters():
-            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.layers))
+        self.apply(self.init_weights)
 
     @staticmethod
-    def _init(m: nn.Module) -> None:
+    @torch.no_grad()
+    def init_weights(m: nn.Module) -> None:
+        """Initialises one module's own parameters (GPT-2's scheme; the
+        projections into the residual stream scaled down by depth). Works on
+        a model built on the meta device too: `runner.init_weights(GPT.init_weights)`."""
         if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, std=0.02)
+            nn.init.normal_(m.weight, std=getattr(m, "init_std", 0.02))
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, std=0.02)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(ids.shape[1], device=ids.device)

@@ -2,10 +2,16 @@
 
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py
     torchrun --standalone --nproc_per_node=4 examples/train_gpt.py --schedule gpipe
+    torchrun --standalone --nproc_per_node=4 examples/train_gpt.py --dp 2 --meta-init
 
-Gloo on CPU, NCCL on GPUs (one per process; pick with --device). Every rank
-reads the same batches; each keeps only its stages. Prints the loss and
-tokens/s, then the loss on held-out text.
+Gloo on CPU, NCCL on GPUs (one per process, chosen by LOCAL_RANK; pick the
+backend with --device). The processes form a (pp, dp) DeviceMesh: `--dp N`
+makes N data-parallel replicas of a pipeline over world / N ranks, each
+stepping on its shard of the global batch. Every rank reads the same batches
+and keeps only its stages; `--meta-init` builds the model on the meta device
+and initialises each rank's stages in place, so no rank ever holds the whole
+model. Prints each rank's parameter bytes, the loss and tokens/s, then the
+loss on held-out text.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpt import GPT, GPTConfig, split_points
@@ -26,14 +33,32 @@ from gpt import GPT, GPTConfig, split_points
 import torchmpmd as mpmd
 
 CORPUS = Path(__file__).parent / "data" / "licenses.txt"
-SCHEDULES = {"gpipe": mpmd.schedules.GPipe, "1f1b": mpmd.schedules.OneFOneB}
+SCHEDULES = {
+    "gpipe": mpmd.schedules.GPipe,
+    "1f1b": mpmd.schedules.OneFOneB,
+    "eager1f1b": mpmd.schedules.Eager1F1B,
+    "interleaved1f1b": mpmd.schedules.Interleaved1F1B,
+    "zbh1": mpmd.schedules.ZeroBubbleH1,
+    "zbv": mpmd.schedules.ZBV,
+    "dualpipev": mpmd.schedules.DualPipeV,
+}
+# Schedules that place two stages on every rank.
+TWO_STAGES_PER_RANK = {"interleaved1f1b", "zbv", "dualpipev"}
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
-    p.add_argument("--stages-per-rank", type=int, default=1)
+    p.add_argument(
+        "--stages-per-rank", type=int, default=None, help="default: 2 for V and interleaved, else 1"
+    )
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world = pp x dp)")
+    p.add_argument(
+        "--meta-init",
+        action="store_true",
+        help="build the model on the meta device; each rank initialises only its stages",
+    )
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--microbatch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
@@ -70,6 +95,11 @@ def main() -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     if not use_cuda:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if world % args.dp:
+        raise SystemExit(f"--dp {args.dp} does not divide the {world} processes")
+    pp_size = world // args.dp
+    mesh = init_device_mesh(device.type, (pp_size, args.dp), mesh_dim_names=("pp", "dp"))
+    pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
 
     data = torch.frombuffer(bytearray(CORPUS.read_bytes()), dtype=torch.uint8).long()
     split = int(0.9 * data.numel())
@@ -77,33 +107,49 @@ def main() -> None:
 
     cfg = GPTConfig(seq_len=args.seq_len, dim=args.dim, heads=args.heads, layers=args.layers)
     torch.manual_seed(args.seed)  # identical initial weights on every rank
-    model = GPT(cfg)
-    num_stages = world * args.stages_per_rank
+    if args.meta_init:
+        with torch.device("meta"):
+            model = GPT(cfg)
+    else:
+        model = GPT(cfg)
+    per_rank = args.stages_per_rank or (2 if args.schedule in TWO_STAGES_PER_RANK else 1)
+    num_stages = pp_size * per_rank
     example = torch.zeros(args.microbatch_size, args.seq_len, dtype=torch.long)
     pipe = mpmd.trace(model, (example,), split_before=split_points(cfg, num_stages))
     if rank == 0:
         print(pipe, flush=True)
 
     schedule = SCHEDULES[args.schedule](args.microbatches)
-    runner = mpmd.PipelineRunner(pipe, schedule, device=device, loss_fn=lm_loss)
+    runner = mpmd.PipelineRunner(pipe, schedule, mesh=mesh, device=device, loss_fn=lm_loss)
+    if args.meta_init:
+        # The same weights on every data-parallel replica of a pipeline rank.
+        torch.manual_seed(args.seed + pp_rank)
+        runner.init_weights(GPT.init_weights)
     opt = torch.optim.AdamW(runner.parameters(), lr=args.lr, weight_decay=0.1)
-    batch_size = args.microbatches * args.microbatch_size
-    tokens_per_step = batch_size * args.seq_len
+    local_bytes = sum(p.numel() * p.element_size() for p in runner.parameters())
+    all_bytes: list[int | None] = [None] * world
+    dist.all_gather_object(all_bytes, local_bytes)
+    batch_size = args.microbatches * args.microbatch_size  # per data-parallel rank
+    tokens_per_step = batch_size * args.seq_len * args.dp
     if rank == 0:
         n = sum(p.numel() for p in model.parameters())
         print(
-            f"\n{n / 1e6:.2f}M parameters, {num_stages} stages on {world} ranks "
-            f"({dist.get_backend()}), {type(schedule).__name__}, "
-            f"{args.microbatches} x {args.microbatch_size} sequences of {args.seq_len} per step",
+            f"\n{n / 1e6:.2f}M parameters, {num_stages} stages on {pp_size} pipeline ranks x "
+            f"{args.dp} data-parallel ({dist.get_backend()}), {type(schedule).__name__}, "
+            f"{args.microbatches} x {args.microbatch_size} sequences of {args.seq_len} per "
+            "step and replica",
             flush=True,
         )
+        for r, nbytes in enumerate(all_bytes):
+            print(f"rank {r}: {(nbytes or 0) / 2**20:.2f} MiB of parameters", flush=True)
 
-    stream = batches(train, batch_size, args.seq_len, args.seed)
+    stream = batches(train, batch_size * args.dp, args.seq_len, args.seed)
+    shard = slice(dp_rank * batch_size, (dp_rank + 1) * batch_size)
     window_start, window_tokens = time.perf_counter(), 0
     for step in range(1, args.steps + 1):
         x, y = next(stream)
         opt.zero_grad(set_to_none=True)
-        out = runner.step(x, target=y)
+        out = runner.step(x[shard], target=y[shard])
         opt.step()
         window_tokens += tokens_per_step
         if rank == 0 and (step % args.log_every == 0 or step == 1):
