@@ -602,14 +602,30 @@ void Executor::reduce_tied(const Instruction& ins, State& st) {
   st.tied_parts.erase(ins.value);
   parts[rank_] =
       param.grad().defined() ? param.grad().detach() : at::zeros_like(param);
+  // The sum in ascending rank order, equal on every holder. It accumulates
+  // in place into a received buffer (ours to write), never into our own
+  // part, which may still be on its way to the other holders: with two
+  // parts, into the other one (a + b == b + a exactly); with more, into the
+  // first when it was received, else into a copy.
   at::Tensor total;
-  for (auto& [r, part] : parts) {  // ascending rank: equal on every holder
-    total = total.defined() ? total.add(part) : part.clone();
+  auto it = parts.begin();
+  if (it->first != rank_) {
+    total = it->second;
+    ++it;
+  } else if (parts.size() == 2) {
+    total = std::next(it)->second;
+    total.add_(it->second);
+    it = parts.end();
+  } else {
+    total = it->second.clone();
+    ++it;
   }
+  for (; it != parts.end(); ++it) total.add_(it->second);
+  parts.clear();
   // Earlier steps' gradient, equal on every holder, goes back on top.
   const auto before = st.tied_before.find(ins.value);
   if (before != st.tied_before.end()) {
-    total = before->second.add(total);
+    total.add_(before->second);
     st.tied_before.erase(before);
   }
   param.mutable_grad() = total;
