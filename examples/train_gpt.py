@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpt import GPT, GPTConfig, split_points
@@ -54,6 +55,12 @@ def parse_args() -> argparse.Namespace:
         "--stages-per-rank", type=int, default=None, help="default: 2 for V and interleaved, else 1"
     )
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world = pp x dp)")
+    p.add_argument(
+        "--data-parallel",
+        choices=["replicate", "fsdp"],
+        default="replicate",
+        help="with --dp > 1: average replicated gradients, or shard each stage with FSDP2",
+    )
     p.add_argument(
         "--meta-init",
         action="store_true",
@@ -120,13 +127,23 @@ def main() -> None:
         print(pipe, flush=True)
 
     schedule = SCHEDULES[args.schedule](args.microbatches)
-    runner = mpmd.PipelineRunner(pipe, schedule, mesh=mesh, device=device, loss_fn=lm_loss)
+    runner = mpmd.PipelineRunner(
+        pipe,
+        schedule,
+        mesh=mesh,
+        data_parallel=args.data_parallel if args.dp > 1 else None,
+        device=device,
+        loss_fn=lm_loss,
+    )
     if args.meta_init:
         # The same weights on every data-parallel replica of a pipeline rank.
         torch.manual_seed(args.seed + pp_rank)
         runner.init_weights(GPT.init_weights)
     opt = torch.optim.AdamW(runner.parameters(), lr=args.lr, weight_decay=0.1)
-    local_bytes = sum(p.numel() * p.element_size() for p in runner.parameters())
+    local_bytes = sum(
+        (p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
+        for p in runner.parameters()
+    )
     all_bytes: list[int | None] = [None] * world
     dist.all_gather_object(all_bytes, local_bytes)
     batch_size = args.microbatches * args.microbatch_size  # per data-parallel rank

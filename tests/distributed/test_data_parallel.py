@@ -27,20 +27,43 @@ def _pipe(num_stages: int) -> mpmd.Pipe:
     return mpmd.trace(case.model(torch.float64), (x,), **SPLITS["gpt"](num_stages))
 
 
-def train_on_mesh(rank: int, world: int, combos: list[tuple[str, int]]) -> list[str]:
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A whole tensor from an FSDP shard (DTensor), or the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _own_sharding(stage: torch.nn.Module, dp_mesh) -> None:
+    """A user's parallelize: FSDP2 resharding after forward, tied weights left out."""
+    from torch.distributed.fsdp import fully_shard
+
+    tied = {p for n, p in stage.named_parameters() if n in ("tok.weight", "head.weight")}
+    fully_shard(stage, mesh=dp_mesh, reshard_after_forward=True, ignored_params=tied)
+
+
+def _shard_everything(stage: torch.nn.Module, dp_mesh) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(stage, mesh=dp_mesh)
+
+
+def train_on_mesh(rank: int, world: int, combos: list[tuple[str, int, str, int]]) -> list[str]:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
     dp_rank = mesh.get_local_rank("dp")
     case = CASES["gpt"]
     done = []
-    for schedule_name, num_stages in combos:
+    for schedule_name, num_stages, mode, m in combos:
         reference = case.model(torch.float64)
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
         runner = mpmd.PipelineRunner(
             _pipe(num_stages),
-            getattr(mpmd.schedules, schedule_name)(M),
+            getattr(mpmd.schedules, schedule_name)(m),
             mesh=mesh,
+            data_parallel="fsdp" if mode == "fsdp+parallelize" else mode,
+            parallelize=_own_sharding if mode == "fsdp+parallelize" else None,
             loss_fn=case.loss,
             timeout=60,
             bucket_bytes=4096,  # several buckets per stage
@@ -57,23 +80,23 @@ def train_on_mesh(rank: int, world: int, combos: list[tuple[str, int]]) -> list[
 
         runner._dp.stage_done = record
         for step in range(3):
-            (x,), _ = case.inputs(MICROBATCH * M * DP)
+            (x,), _ = case.inputs(MICROBATCH * m * DP)
             x = (x + step) % 64
-            y = case.target(MICROBATCH * M * DP).roll(step)
+            y = case.target(MICROBATCH * m * DP).roll(step)
             # Reference: every microbatch of every shard, in one process.
             ref_opt.zero_grad(set_to_none=True)
             losses = []
-            for xb, yb in zip(x.chunk(M * DP), y.chunk(M * DP), strict=True):
+            for xb, yb in zip(x.chunk(m * DP), y.chunk(m * DP), strict=True):
                 loss = case.loss(reference(xb), yb)
-                (loss / (M * DP)).backward()
+                (loss / (m * DP)).backward()
                 losses.append(loss.detach().double())
             ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
             ref_opt.step()
 
             opt.zero_grad(set_to_none=True)
-            shard = slice(dp_rank * MICROBATCH * M, (dp_rank + 1) * MICROBATCH * M)
+            shard = slice(dp_rank * MICROBATCH * m, (dp_rank + 1) * MICROBATCH * m)
             out = runner.step(x[shard], target=y[shard])
-            what = f"{schedule_name} step {step} rank {rank}"
+            what = f"{mode} {schedule_name} step {step} rank {rank}"
             torch.testing.assert_close(
                 out.loss, torch.stack(losses).mean(), rtol=1e-12, atol=1e-12, msg=what
             )
@@ -82,17 +105,27 @@ def train_on_mesh(rank: int, world: int, combos: list[tuple[str, int]]) -> list[
             torch.testing.assert_close(norm, ref_norm, rtol=1e-12, atol=1e-12, msg=what)
             for fqn, p in local.items():
                 torch.testing.assert_close(
-                    p.grad, grads[fqn], rtol=1e-10, atol=1e-10, msg=f"{what}: {fqn}"
+                    _full(p.grad), grads[fqn], rtol=1e-10, atol=1e-10, msg=f"{what}: {fqn}"
                 )
             opt.step()
             for fqn, p in local.items():
                 torch.testing.assert_close(
-                    p.detach(),
+                    _full(p.detach()),
                     reference.get_parameter(fqn).detach(),
                     rtol=1e-10,
                     atol=1e-10,
                     msg=f"{what}: {fqn} after AdamW",
                 )
+        if mode.startswith("fsdp"):
+            # Between steps a rank holds its shard: about 1/dp of its stages.
+            from torch.distributed.tensor import DTensor
+
+            held = sum(
+                (p.to_local() if isinstance(p, DTensor) else p).numel() for p in local.values()
+            )
+            whole = sum(p.numel() for p in local.values())
+            assert held <= 1.1 * whole / DP, (held, whole)
+            assert any(isinstance(p, DTensor) for p in local.values())
         # Every local stage's averaging started once per step, the first
         # of them while the rank still had tasks to run: it overlaps them.
         assert sorted(s for s, _ in launched) == sorted(runner.local_stages * 3)
@@ -103,12 +136,51 @@ def train_on_mesh(rank: int, world: int, combos: list[tuple[str, int]]) -> list[
     return done
 
 
+# (schedule, stages on the 2 pipeline ranks, microbatches per replica):
+# every built-in schedule.
+SCHEDULES = [
+    ("GPipe", 2, 4),
+    ("OneFOneB", 2, 4),
+    ("Eager1F1B", 2, 4),
+    ("ZeroBubbleH1", 2, 4),
+    ("Interleaved1F1B", 4, 4),
+    ("ZBV", 4, 4),
+    ("DualPipeV", 4, 8),
+]
+
+
 def test_pipeline_times_data_parallel_replicate():
-    combos = [
-        ("GPipe", 2),
-        ("OneFOneB", 2),
-        ("ZeroBubbleH1", 2),
-        ("Interleaved1F1B", 4),
-    ]
+    combos = [(name, stages, "replicate", m) for name, stages, m in SCHEDULES]
     reports = check_all(run_ranks(train_on_mesh, PP * DP, combos))
     assert all(len(r) == len(combos) for r in reports)
+
+
+def test_pipeline_times_data_parallel_fsdp():
+    combos = [(name, stages, "fsdp", m) for name, stages, m in SCHEDULES]
+    combos.append(("ZeroBubbleH1", 2, "fsdp+parallelize", 4))
+    reports = check_all(run_ranks(train_on_mesh, PP * DP, combos))
+    assert all(len(r) == len(combos) for r in reports)
+
+
+def refuse_sharded_tied_weights(rank: int, world: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
+    try:
+        mpmd.PipelineRunner(
+            _pipe(2),
+            mpmd.schedules.OneFOneB(M),
+            mesh=mesh,
+            data_parallel="fsdp",
+            parallelize=_shard_everything,
+            loss_fn=CASES["gpt"].loss,
+        )
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_parallelize_must_leave_tied_weights_unsharded():
+    for message in check_all(run_ranks(refuse_sharded_tied_weights, PP * DP)):
+        assert "parallelize sharded stage" in message and "tied parameters" in message, message
+        assert "ignored_params" in message, message

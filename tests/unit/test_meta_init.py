@@ -185,3 +185,20 @@ def test_eager_meta_stages_take_new_shapes_without_allocating_others():
     local.step(x, target=torch.zeros_like(x))
     assert [r.num_traces for r in local.runners] == [1, 1]
     assert all(t.is_meta for t in local.pipes[0].stage(1).parameters())
+
+
+def test_meta_example_inputs_trace_the_same_plan():
+    with torch.device("meta"):
+        model = Model().double()
+    x, _ = _data(2)
+    real = mpmd.trace(model, (x,), split_before=["blocks.2"])
+    meta = mpmd.trace(model, (x.to("meta"),), split_before=["blocks.2"])
+    assert [(t.name, t.spec) for t in meta.transfers] == [(t.name, t.spec) for t in real.transfers]
+    local = LocalPipeline(meta, mpmd.schedules.OneFOneB(M), 2, loss_fn=_loss, timeout=60)
+    ref = _reference()
+    for runner in local.runners:
+        runner.init_weights(init_fn)
+    x, y = _data(4 * M)
+    out = local.step(x, target=y)
+    losses = [_loss(ref(xb), yb) for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True)]
+    torch.testing.assert_close(out[0].losses, torch.stack(losses), rtol=1e-12, atol=1e-12)

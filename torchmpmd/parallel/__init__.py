@@ -1,6 +1,9 @@
-"""Parallelism around the pipeline: data parallelism over a DeviceMesh's
-"dp" dimension (`Replicate`: gradients averaged, overlapping the schedule)."""
+"""Parallelism around the pipeline, over a DeviceMesh's "dp" dimension:
+`Replicate` (gradients averaged, overlapping the schedule) and `Shard`
+(FSDP2 per stage: sharded between uses, reduce-scattered after each stage's
+last backward)."""
 
+from .fsdp import Shard
 from .replicate import Replicate
 
-__all__ = ["Replicate"]
+__all__ = ["Replicate", "Shard"]

@@ -10,9 +10,11 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .. import _C
-from ..graph.pipe import Pipe, unique_named_parameters
+from ..graph.pipe import Pipe, TensorSpec, unique_named_parameters
+from ..parallel.fsdp import Parallelize, Shard
 from ..parallel.replicate import Replicate
 from ..schedule.program import Program
 from ..schedule.task import Schedule
@@ -83,6 +85,7 @@ class PipelineRunner:
         recompute: bool | str | Iterable[int] | Mapping[int, str] = False,
         mesh: DeviceMesh | None = None,
         data_parallel: str | None = None,
+        parallelize: Parallelize | None = None,
         bucket_bytes: int = 25 * 2**20,
     ) -> None:
         if not isinstance(pipe, Pipe):
@@ -90,11 +93,6 @@ class PipelineRunner:
         dp_group: dist.ProcessGroup | None = None
         if mesh is not None:
             group, dp_group = _mesh_groups(mesh, group, transport)
-        elif data_parallel is not None:
-            raise ValueError(
-                f"data_parallel={data_parallel!r} needs mesh=: a DeviceMesh with dimensions "
-                "named 'pp' and 'dp'"
-            )
         self._transport = _connect(group, transport)
         self.rank: int = self._transport.rank
         self.num_ranks: int = self._transport.size
@@ -122,18 +120,30 @@ class PipelineRunner:
         first = CompiledPipe(pipe, self._options, shared=None)
         self.dp_size = 1 if dp_group is None else dist.get_world_size(dp_group)
         self._dp_group = dp_group
-        self._dp: Replicate | None = None
-        if dp_group is not None:
-            mode = data_parallel or "replicate"
-            if mode != "replicate":
-                raise ValueError(
-                    f"data_parallel={mode!r}: this runner averages gradients by replication "
-                    "('replicate')"
-                )
+        self._dp: Replicate | Shard | None = None
+        mode = data_parallel or ("replicate" if dp_group is not None else None)
+        if mode not in (None, "replicate", "fsdp"):
+            raise ValueError(f"data_parallel={mode!r}: use 'replicate' or 'fsdp'")
+        if parallelize is not None and mode != "fsdp":
+            raise ValueError("parallelize= applies to data_parallel='fsdp'")
+        if mode is not None and (mesh is None or dp_group is None):
+            raise ValueError(
+                f"data_parallel={mode!r} needs a mesh with a 'dp' dimension, e.g. "
+                "init_device_mesh('cpu', (pp, dp), mesh_dim_names=('pp', 'dp'))"
+            )
+        if mode == "replicate" and dp_group is not None:
             self._dp = Replicate(
                 dp_group,
                 {s: first.stages.modules[s].parameters() for s in first.local_stages},
                 first.tied_parameters.values(),
+                bucket_bytes,
+            )
+        elif mode == "fsdp" and mesh is not None:
+            self._dp = Shard(
+                mesh["dp"],
+                {s: first.stages.modules[s] for s in first.local_stages},
+                first.tied_parameters.values(),
+                parallelize,
                 bucket_bytes,
             )
         self._first = first
@@ -151,6 +161,12 @@ class PipelineRunner:
         """The compiled pipe for one microbatch's inputs (traced on first sight)."""
         signature = signature_of(row)
         compiled = self._compiled.get(signature)
+        if compiled is None and isinstance(self._dp, Shard):
+            raise ValueError(
+                "data_parallel='fsdp': microbatches must keep the traced shapes (got "
+                f"{[s for s in signature if isinstance(s, TensorSpec)]}); pass batches that "
+                "split into microbatches like the traced example"
+            )
         if compiled is None:
             compiled = CompiledPipe(self._pipe.retrace(row), self._options, shared=self._first)
             self._compiled[signature] = compiled
@@ -182,12 +198,12 @@ class PipelineRunner:
         batch = self._microbatches(args, kwargs)
         compiled = batch.per_mb[0]
         step = Step(inputs=batch.inputs, targets=compiled.microbatcher.targets(target))
+        dp = self._dp
+        if dp is not None:
+            dp.start_step()  # before split stages are traced: FSDP gathers here
         for mb, c in batch.first_uses():
             c.stages.prepare(step, mb)
         fns = Training([c.stages for c in batch.per_mb], step)
-        dp = self._dp
-        if dp is not None:
-            dp.start_step()
         compiled.executor.run(
             fns.forward,
             fns.input_grad,
@@ -225,6 +241,8 @@ class PipelineRunner:
         step = Step(inputs=batch.inputs, targets=[])
         evaluation = Evaluation([c.stages for c in batch.per_mb], step)
         batch.per_mb[0].eval_executor().run(evaluation.forward, shapes=batch.shapes)
+        if isinstance(self._dp, Shard):
+            self._dp.reshard()  # forward gathered the stages; shards between uses
         pipe = batch.per_mb[0].pipe
         flat = self._share_outputs([c.pipe for c in batch.per_mb], step.outputs)
         names = [n for n in pipe.output_names if n is not None]
@@ -280,10 +298,16 @@ class PipelineRunner:
                     missing.append(name)
                     continue
                 value = state_dict[key]
+                if isinstance(value, DTensor):
+                    value = value.full_tensor()
                 if tuple(value.shape) != tuple(t.shape):
                     raise ValueError(
                         f"load_state_dict: '{key}' has shape {tuple(value.shape)}, but stage {s} on "
                         f"rank {self.rank} holds it with shape {tuple(t.shape)}"
+                    )
+                if isinstance(t, DTensor):  # an FSDP shard: this rank's part of the value
+                    value = distribute_tensor(
+                        value.to(t.device_mesh.device_type), t.device_mesh, t.placements
                     )
                 t.copy_(value)
         if strict and missing:
@@ -306,11 +330,23 @@ class PipelineRunner:
         counted = self._counted_parameters()
         grads = [p.grad for p in counted if p.grad is not None]
         inf = norm_type == float("inf")
-        norms = torch.stack(
-            [torch.linalg.vector_norm(g.double(), norm_type) for g in grads]
-            or [torch.zeros((), dtype=torch.float64)]
-        )
-        local = norms.max() if inf else norms.pow(norm_type).sum()
+
+        def reduce(tensors: list[torch.Tensor]) -> torch.Tensor:
+            norms = torch.stack(
+                [torch.linalg.vector_norm(t.double(), norm_type) for t in tensors]
+                or [torch.zeros((), dtype=torch.float64, device=self.device)]
+            )
+            return norms.max() if inf else norms.pow(norm_type).sum()
+
+        # FSDP shards (DTensor) are disjoint over dp: their part is reduced
+        # over dp too; replicated gradients are equal on every replica.
+        shards = [g.to_local() for g in grads if isinstance(g, DTensor)]
+        local = reduce([g for g in grads if not isinstance(g, DTensor)])
+        if shards and self._dp_group is not None:
+            sharded = reduce(shards).to(self.device)
+            op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+            dist.all_reduce(sharded, op=op, group=self._dp_group)
+            local = torch.maximum(local, sharded) if inf else local + sharded
         parts = all_gather(self._transport, local.reshape(1, 1).to(self.device), self._timeout)
         gathered = torch.cat([part.reshape(-1) for part in parts])
         total = gathered.max() if inf else gathered.sum().pow(1.0 / norm_type)

@@ -115,6 +115,17 @@ def build_split_stage(
     return split
 
 
+class _Unhooked(torch.nn.Module):
+    """Calls `inner.forward` directly: no forward hooks of `inner` run."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any) -> Any:
+        return self.inner.forward(*args)
+
+
 def _stage_function(
     stages: LocalStages, stage: int, user_all: list[Any], n_received: int, target: Any
 ) -> Callable[[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]], list[torch.Tensor]]:
@@ -128,6 +139,11 @@ def _stage_function(
     # A tensor leaf is fed in at run time; any other leaf (None too) is baked in.
     is_tensor = [isinstance(v, torch.Tensor) for v in target_leaves]
 
+    unhooked = _Unhooked(module)
+
+    def prefixed(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {f"inner.{name}": t for name, t in state.items()}
+
     def fn(
         params: list[torch.Tensor], buffers: list[torch.Tensor], xs: list[torch.Tensor]
     ) -> list[torch.Tensor]:
@@ -139,7 +155,9 @@ def _stage_function(
         received = xs[len(tensor_slots) : len(tensor_slots) + n_received]
         # Selective recompute of a split stage is a rewrite of its joint
         # graph (SplitStage), not a checkpoint call, which make_fx would undo.
-        outs = torch.func.functional_call(module, state, (*user, *received))
+        # The stage's own forward hooks (FSDP's gather and reshard) stay out
+        # of the trace: the runner gathers split stages around the step.
+        outs = torch.func.functional_call(unhooked, prefixed(state), (*user, *received))
         if not last:
             return stages.sends_and_loss(stage, outs, None, 0)[0]
         rest = iter(xs[len(tensor_slots) + n_received :])
