@@ -12,7 +12,7 @@ The subpackages mirror the native layers: `graph` (tracing, the stage plan,
 
 import torch  # noqa: F401  (loads libtorch before the native core)
 
-from . import _C, schedules, viz
+from . import _C, checkpoint, schedules, viz
 from .graph import Pipe, from_stages, mark_stage_end, trace
 from .runtime import PipelineRunner, StepOutput
 from .schedule import Costs, Program, Schedule, Task, Timeline, TimelineEvent, compile_schedule
@@ -33,6 +33,7 @@ __all__ = [
     "Task",
     "Timeline",
     "TimelineEvent",
+    "checkpoint",
     "compile_schedule",
     "from_stages",
     "mark_stage_end",

@@ -60,15 +60,24 @@ def run_ranks(fn: Callable, world: int, *args: Any, deadline: float = 300.0) -> 
         for p in procs:
             p.start()
         end = time.monotonic() + deadline
-        for p in procs:
-            p.join(max(0.0, end - time.monotonic()))
+        received: dict[int, tuple[bool, Any]] = {}
+        # Results are read while the ranks run: a result larger than the
+        # pipe's buffer blocks its rank in put() until someone reads it.
+        while any(p.is_alive() for p in procs) and time.monotonic() < end:
+            while not queue.empty():
+                rank, ok, value = queue.get()
+                received[rank] = (ok, value)
+            time.sleep(0.02)
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
         for r in hung:
             procs[r].kill()
-            procs[r].join()
-        results = {r: RankResult(r, False, "no result", procs[r].exitcode) for r in range(world)}
+        for p in procs:
+            p.join()
         while not queue.empty():
             rank, ok, value = queue.get()
+            received[rank] = (ok, value)
+        results = {r: RankResult(r, False, "no result", procs[r].exitcode) for r in range(world)}
+        for rank, (ok, value) in received.items():
             results[rank] = RankResult(rank, ok, value, procs[rank].exitcode)
     for r in hung:
         results[r] = RankResult(

@@ -262,6 +262,14 @@ class PipelineRunner:
                 f"its stages {self.local_stages}"
             )
 
+    def local_modules(self) -> list[torch.nn.Module]:
+        """This rank's stage modules (parameters and buffers under the model's names)."""
+        return [self._stages.modules[s] for s in self.local_stages]
+
+    def parameter_aliases(self) -> dict[str, list[str]]:
+        """Every name the model gives each parameter and buffer, keyed by each name."""
+        return self._pipe.parameter_aliases
+
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """This rank's parameters, once each, under their names in the model."""
         return unique_named_parameters(self._stages.modules[s] for s in self.local_stages)
