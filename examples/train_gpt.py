@@ -75,17 +75,31 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck peer fails")
+    p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="save checkpoints here (step-N); on start, resume from the newest complete one",
+    )
+    p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
+    p.add_argument(
+        "--loss-log", default=None, help="rank 0 appends 'step loss' (exact, repr) per step here"
+    )
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
 
-def batches(data: torch.Tensor, size: int, seq: int, seed: int):
-    """Random windows of the corpus; the same on every rank (same seed)."""
-    g = torch.Generator().manual_seed(seed)
+def batches(data: torch.Tensor, size: int, seq: int, seed: int, start_step: int = 1):
+    """Random windows of the corpus; the same on every rank (same seed). The
+    batch of step i depends only on (seed, i): a resumed run continues the
+    same stream from its step (the data position is the step)."""
+    step = start_step
     while True:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step)
         start = torch.randint(0, data.numel() - seq - 1, (size,), generator=g)
         window = torch.stack([data[s : s + seq + 1] for s in start.tolist()])
         yield window[:, :-1], window[:, 1:]
+        step += 1
 
 
 def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -99,6 +113,9 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if use_cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    # One write (atomic on a pipe), so that ranks' lines never interleave.
+    sys.stdout.write(f"rank {rank} pid {os.getpid()}\n")
+    sys.stdout.flush()
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     if not use_cuda:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -134,6 +151,7 @@ def main() -> None:
         data_parallel=args.data_parallel if args.dp > 1 else None,
         device=device,
         loss_fn=lm_loss,
+        timeout=args.timeout,
     )
     if args.meta_init:
         # The same weights on every data-parallel replica of a pipeline rank.
@@ -160,14 +178,37 @@ def main() -> None:
         for r, nbytes in enumerate(all_bytes):
             print(f"rank {r}: {(nbytes or 0) / 2**20:.2f} MiB of parameters", flush=True)
 
-    stream = batches(train, batch_size * args.dp, args.seq_len, args.seed)
+    first_step = 1
+    resume = mpmd.checkpoint.latest(args.checkpoint_dir) if args.checkpoint_dir else None
+    if resume is not None:
+        extra = mpmd.checkpoint.load(resume, runner, opt)
+        first_step = int(extra["step"]) + 1
+        torch.set_rng_state(extra["per_rank"]["rng"])  # dropout continues the same draws
+        if rank == 0:
+            print(f"resumed from {resume} at step {first_step}", flush=True)
+    stream = batches(train, batch_size * args.dp, args.seq_len, args.seed, first_step)
     shard = slice(dp_rank * batch_size, (dp_rank + 1) * batch_size)
     window_start, window_tokens = time.perf_counter(), 0
-    for step in range(1, args.steps + 1):
+    for step in range(first_step, args.steps + 1):
         x, y = next(stream)
         opt.zero_grad(set_to_none=True)
         out = runner.step(x[shard], target=y[shard])
         opt.step()
+        if rank == 0 and args.loss_log:
+            with open(args.loss_log, "a") as log:
+                log.write(f"{step} {out.loss.item()!r}\n")
+        if args.checkpoint_dir and args.checkpoint_every and step % args.checkpoint_every == 0:
+            started = time.perf_counter()
+            mpmd.checkpoint.save(
+                Path(args.checkpoint_dir) / f"step-{step}",
+                runner,
+                opt,
+                extra={"step": step, "per_rank": {"rng": torch.get_rng_state()}},
+            )
+            if rank == 0:
+                print(
+                    f"checkpoint step-{step} in {time.perf_counter() - started:.2f} s", flush=True
+                )
         window_tokens += tokens_per_step
         if rank == 0 and (step % args.log_every == 0 or step == 1):
             if device.type == "cuda":

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
@@ -216,7 +217,7 @@ def load(
     extra_keys = [k for k in keys if k.startswith("extra.")]
     own = f"{_PER_RANK}.rank{_rank()}"
     if extra_keys:
-        state["extra"] = {k.removeprefix("extra."): None for k in extra_keys}
+        state["extra"] = _template(keys, "extra")
     if any(k == own or k.startswith(own + ".") for k in keys):
         state[own] = _template(keys, own)
     missing = [k for k in _flat_keys(state.get("model", {}), "model") if k not in keys]
@@ -250,17 +251,24 @@ def load(
 
 
 def _template(keys: Mapping[str, Any], prefix: str) -> Any:
-    """A nested dict with the structure of the saved entries under `prefix`."""
-    if prefix in keys:
+    """A nested dict shaped like the saved entries under `prefix`, for DCP to
+    load into: an empty tensor where a tensor was saved, None where an object was."""
+
+    def leaf(meta: Any) -> Any:
+        if isinstance(meta, TensorStorageMetadata):
+            return torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         return None
+
+    if prefix in keys:
+        return leaf(keys[prefix])
     out: dict[str, Any] = {}
-    for k in keys:
+    for k, meta in keys.items():
         if k.startswith(prefix + "."):
             parts = k[len(prefix) + 1 :].split(".")
             node = out
             for p in parts[:-1]:
                 node = node.setdefault(p, {})
-            node[parts[-1]] = None
+            node[parts[-1]] = leaf(meta)
     return out
 
 
