@@ -77,6 +77,13 @@ def trace(
             f"mpmd.trace: split points must be a list of module paths, got the string {points!r}; "
             f"write [{points!r}]"
         )
+    bad = [p for p in points or [] if not isinstance(p, str)]
+    if bad:
+        raise TypeError(
+            f"mpmd.trace: split points are module paths (strings) such as 'layers.4', got "
+            f"{bad[0]!r} ({type(bad[0]).__name__}); name the module where a stage starts "
+            "(split_before) or ends (split_after)"
+        )
 
     with warnings.catch_warnings():
         # torch.export's own use of a deprecated pytree API (torch >= 2.13).

@@ -29,6 +29,11 @@ class LocalPipeline:
     def __init__(
         self, pipe: Pipe, schedule: Schedule, num_ranks: int, **runner_kwargs: Any
     ) -> None:
+        if not isinstance(pipe, Pipe):
+            raise TypeError(
+                f"LocalPipeline needs an mpmd.Pipe, got {type(pipe).__name__}; make one with "
+                "mpmd.trace(model, example_args, split_before=[...])"
+            )
         self.world = LocalWorld(num_ranks)
         self.pipes = [pipe.replicate() for _ in range(num_ranks)]
         self.runners = [

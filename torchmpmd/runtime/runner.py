@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -20,6 +22,7 @@ from ..schedule.program import Program
 from ..schedule.task import Schedule
 from ..schedule.timeline import Timeline, TimelineEvent, from_records
 from .compiled import CompiledPipe, Options, signature_of, traced_signature
+from .fingerprint import check_same_job, describe
 from .materialize import init_weights
 from .microbatch import merge
 from .stages import Evaluation, LossFn, Step, Training
@@ -89,7 +92,11 @@ class PipelineRunner:
         bucket_bytes: int = 25 * 2**20,
     ) -> None:
         if not isinstance(pipe, Pipe):
-            raise TypeError(f"PipelineRunner needs an mpmd.Pipe, got {type(pipe).__name__}")
+            raise TypeError(
+                f"PipelineRunner needs an mpmd.Pipe, got {type(pipe).__name__}; make one with "
+                "mpmd.trace(model, example_args, split_before=[...])"
+            )
+        _check_options(timeout, compile, max_early_recvs)
         dp_group: dist.ProcessGroup | None = None
         if mesh is not None:
             group, dp_group = _mesh_groups(mesh, group, transport)
@@ -102,6 +109,11 @@ class PipelineRunner:
         self._pipe = pipe
         self.num_microbatches = schedule.num_microbatches
         self.device = _pick_device(device, group, c10d=transport is None)
+        if self.device.type == "meta":
+            raise ValueError(
+                "PipelineRunner: device='meta' cannot run a step; the meta device is for tracing "
+                "a model and for describing it (the runner allocates its stages on a real device)"
+            )
         self._timeout = (
             timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
         )
@@ -156,6 +168,7 @@ class PipelineRunner:
         # How many times a new input signature made this runner trace the model again.
         self.num_traces = 0
         self.timeline: Timeline | None = None
+        self._checked_same_job = False
 
     def _compiled_for(self, row: list[Any]) -> CompiledPipe:
         """The compiled pipe for one microbatch's inputs (traced on first sight)."""
@@ -195,7 +208,16 @@ class PipelineRunner:
         Returns the mean loss on every rank.
         """
         self._stages.allocation.check(self._stages.modules, self.rank)
-        batch = self._microbatches(args, kwargs)
+        try:
+            batch = self._microbatches(args, kwargs)
+        except TypeError as err:
+            if target is None and args:
+                raise TypeError(
+                    f"{err}; if the last positional argument is the target, pass it as "
+                    "step(..., target=y)"
+                ) from None
+            raise
+        self._check_same_job()  # after local checks: they need no peer
         compiled = batch.per_mb[0]
         step = Step(inputs=batch.inputs, targets=compiled.microbatcher.targets(target))
         dp = self._dp
@@ -204,13 +226,14 @@ class PipelineRunner:
         for mb, c in batch.first_uses():
             c.stages.prepare(step, mb)
         fns = Training([c.stages for c in batch.per_mb], step)
-        compiled.executor.run(
-            fns.forward,
-            fns.input_grad,
-            fns.weight_grad,
-            shapes=batch.shapes,
-            stage_done=None if dp is None else dp.stage_done,
-        )
+        with _original_errors(step, _GRADS_NOTE):
+            compiled.executor.run(
+                fns.forward,
+                fns.input_grad,
+                fns.weight_grad,
+                shapes=batch.shapes,
+                stage_done=None if dp is None else dp.stage_done,
+            )
         if dp is not None:
             dp.finish()
         self.timeline = from_records(
@@ -238,15 +261,27 @@ class PipelineRunner:
         whole batch (microbatch outputs concatenated) on every rank."""
         self._stages.allocation.check(self._stages.modules, self.rank)
         batch = self._microbatches(args, kwargs)
+        self._check_same_job()
         step = Step(inputs=batch.inputs, targets=[])
         evaluation = Evaluation([c.stages for c in batch.per_mb], step)
-        batch.per_mb[0].eval_executor().run(evaluation.forward, shapes=batch.shapes)
+        with _original_errors(step):
+            batch.per_mb[0].eval_executor().run(evaluation.forward, shapes=batch.shapes)
         if isinstance(self._dp, Shard):
             self._dp.reshard()  # forward gathered the stages; shards between uses
         pipe = batch.per_mb[0].pipe
         flat = self._share_outputs([c.pipe for c in batch.per_mb], step.outputs)
         names = [n for n in pipe.output_names if n is not None]
         return pipe.unflatten_outputs(dict(zip(names, flat, strict=True)))
+
+    def _check_same_job(self) -> None:
+        """At the first step: every rank was given the same job (fingerprint.py)."""
+        if self._checked_same_job:
+            return
+        from .. import __version__
+
+        texts = describe(self._pipe, self.program, __version__)
+        check_same_job(texts, self._transport, self._timeout)
+        self._checked_same_job = True
 
     def init_weights(self, fn: Callable[[torch.nn.Module], object]) -> None:
         """Initialises this rank's stages: calls `fn(m)` on each of the model's
@@ -297,6 +332,25 @@ class PipelineRunner:
         Keys of other ranks' stages are ignored. With `strict`, every local
         entry must be present under one of its names.
         """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                f"load_state_dict takes a mapping of names to tensors, got "
+                f"{type(state_dict).__name__}"
+            )
+        not_tensors = [k for k, v in state_dict.items() if not isinstance(v, torch.Tensor)]
+        if not_tensors:
+            raise TypeError(
+                f"load_state_dict: '{not_tensors[0]}' is a {type(state_dict[not_tensors[0]]).__name__}, "
+                "not a tensor"
+            )
+        if strict:
+            known = set(self._pipe.parameter_aliases)
+            unknown = sorted(k for k in state_dict if k not in known)
+            if unknown:
+                raise KeyError(
+                    f"load_state_dict: {unknown[:5]} are not parameters or buffers of the model; "
+                    "pass strict=False to ignore them"
+                )
         missing = []
         for s in self.local_stages:
             for name, t in self._stages.modules[s].state_dict(keep_vars=True).items():
@@ -483,6 +537,70 @@ def _recompute_policy(
         frozenset(s for s, m in modes.items() if m == "full"),
         frozenset(s for s, m in modes.items() if m == "selective"),
     )
+
+
+@contextlib.contextmanager
+def _original_errors(step: Step, note: str = "") -> Iterator[None]:
+    """Re-raises the executor's PipelineError (with `note` appended) as one
+    that is also an instance of the exception a stage callable raised (so
+    `except KeyError` still matches), chained to it."""
+    try:
+        yield
+    except PipelineError as err:
+        failed = PipelineError(f"{err}{note}")
+        if not step.errors:
+            raise failed from err
+        cause = step.errors[0]
+        raise _as_type(failed, type(cause)) from cause
+
+
+# A failed training step leaves what its finished microbatches accumulated.
+_GRADS_NOTE = (
+    ". The gradients (.grad) now hold the part of this step that finished before the failure: "
+    "zero them (optimizer.zero_grad()) before the next step"
+)
+
+
+def _as_type(err: Exception, kind: type[BaseException]) -> Exception:
+    if not issubclass(kind, Exception) or issubclass(PipelineError, kind):
+        return err
+    name = f"PipelineError[{kind.__name__}]"
+    combined = _COMBINED.get(kind)
+    if combined is None:
+        try:
+            combined = type(name, (PipelineError, kind), {"__module__": "torchmpmd"})
+        except TypeError:  # a builtin whose layout cannot be combined
+            return err
+        _COMBINED[kind] = combined
+    out: Exception = combined(*err.args)
+    return out
+
+
+_COMBINED: dict[type[BaseException], type[Exception]] = {}
+PipelineError = _C.runtime.PipelineError
+
+
+def _check_options(timeout: Any, compile: Any, max_early_recvs: Any) -> None:
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    if (
+        not isinstance(seconds, (int, float))
+        or isinstance(seconds, bool)
+        or not math.isfinite(seconds)
+        or seconds <= 0
+    ):
+        raise ValueError(
+            f"PipelineRunner: timeout must be a positive number of seconds (or a timedelta), "
+            f"got {timeout!r}"
+        )
+    if not isinstance(compile, (bool, Mapping)):
+        raise TypeError(
+            f"PipelineRunner: compile must be True, False or a dict of torch.compile options, "
+            f"got {compile!r}"
+        )
+    if not isinstance(max_early_recvs, int) or max_early_recvs < 0:
+        raise ValueError(
+            f"PipelineRunner: max_early_recvs must be a non-negative int, got {max_early_recvs!r}"
+        )
 
 
 def _mesh_groups(

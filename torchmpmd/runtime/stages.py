@@ -39,6 +39,9 @@ class Step:
     # Per microbatch, filled by the last stage's forward:
     losses: list[torch.Tensor | None] = field(init=False)  # training
     outputs: list[list[Any] | None] = field(init=False)  # evaluation
+    # Exceptions raised by this step's callables, as raised (the executor
+    # passes on only their text).
+    errors: list[BaseException] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.losses = [None] * len(self.inputs)
@@ -138,7 +141,15 @@ class LocalStages:
 
     def _loss(self, output: Any, target: Any, mb: int) -> torch.Tensor:
         if self._loss_fn is not None:
-            loss = self._loss_fn(output, to_device(target, self.device))
+            try:
+                loss = self._loss_fn(output, to_device(target, self.device))
+            except Exception as err:
+                if target is not None:
+                    raise
+                raise TypeError(
+                    f"the loss of microbatch {mb} failed with no target ({type(err).__name__}: "
+                    f"{err}); pass the target to step as target=..."
+                ) from err
         else:
             loss = getattr(output, "loss", output)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -162,6 +173,21 @@ def selective_recompute_context() -> tuple[Any, Any]:
     return contexts
 
 
+def _recorded(method: Any) -> Any:
+    """Keeps an exception the callable raises on the step (see `Step.errors`)."""
+
+    def call(self: Any, *args: Any) -> Any:
+        try:
+            return method(self, *args)
+        except BaseException as err:
+            self._step.errors.append(err)
+            raise
+
+    call.__name__ = method.__name__
+    call.__doc__ = method.__doc__
+    return call
+
+
 class Training:
     """The executor's callables for one training step.
 
@@ -172,6 +198,7 @@ class Training:
         self._stages = stages
         self._step = step
 
+    @_recorded
     def forward(self, stage: int, mb: int, received: list[torch.Tensor]) -> list[torch.Tensor]:
         st, step = self._stages[mb], self._step
         split = st.split_graphs.get(stage)
@@ -193,6 +220,7 @@ class Training:
         step.losses[mb] = loss.detach()
         return [*sends, loss / st.num_microbatches]
 
+    @_recorded
     def input_grad(
         self, stage: int, mb: int, saved: list[torch.Tensor], grads: list[torch.Tensor | None]
     ) -> list[torch.Tensor]:
@@ -203,6 +231,7 @@ class Training:
         input_grads, for_w = split.input_grad(saved, grads)
         return [*input_grads, *for_w]
 
+    @_recorded
     def weight_grad(self, stage: int, mb: int, saved: list[torch.Tensor]) -> None:
         split = self._stages[mb].split_graphs[stage]
         if isinstance(split, AutogradSplit):
@@ -218,6 +247,7 @@ class Evaluation:
         self._stages = stages
         self._step = step
 
+    @_recorded
     def forward(self, stage: int, mb: int, received: list[torch.Tensor]) -> list[torch.Tensor]:
         st = self._stages[mb]
         outs = st.call(self._step, stage, mb, received)

@@ -28,6 +28,16 @@ class Task:
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
             raise ValueError(f"Task kind must be one of {', '.join(_KINDS)}; got {self.kind!r}")
+        for field_name in ("stage", "microbatch"):
+            value = getattr(self, field_name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(
+                    f"Task {field_name} must be an int, got {value!r} ({type(value).__name__})"
+                )
+            # Negative values are left to the schedule's validation, which
+            # names the task in its grid; beyond int32 nothing can hold them.
+            if not -(2**31) <= value < 2**31:
+                raise ValueError(f"Task {field_name} {value} is out of range (32-bit int)")
 
     def __str__(self) -> str:
         """torch.distributed.pipelining's action format: '2F5'."""
@@ -76,6 +86,12 @@ class Schedule:
     ) -> Schedule:
         """A schedule given as per-rank lists of tasks (or action strings like '1B0')."""
         lists = [[t if isinstance(t, Task) else Task.parse(t) for t in rank] for rank in tasks]
+        bad = [r for r in placement if not isinstance(r, int) or isinstance(r, bool)]
+        if bad:
+            raise TypeError(
+                f"Schedule.from_lists: placement gives each stage's rank as an int, got {bad[0]!r} "
+                f"({type(bad[0]).__name__})"
+            )
         if num_microbatches is None:
             num_microbatches = 1 + max((t.microbatch for r in lists for t in r), default=0)
         return _ListSchedule(lists, list(placement), num_microbatches)

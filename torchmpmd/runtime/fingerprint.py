@@ -1,0 +1,95 @@
+"""Same job everywhere: the runners of a group compare what they were given.
+
+At the first step every rank hashes each part of its configuration (versions,
+the traced graph, the split, the schedule and its program, the number of
+microbatches, dtypes) and the ranks exchange the hashes over the runner's
+transport. A difference fails every rank at once, naming the first part that
+differs and the ranks that differ from rank 0, instead of exchanging tensors
+of the wrong shape or waiting for messages that never come.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import TYPE_CHECKING
+
+import torch
+import torch.fx as fx
+
+from .transport import Transport, all_gather
+
+if TYPE_CHECKING:
+    from ..graph.pipe import Pipe
+    from ..schedule.program import Program
+
+__all__: list[str] = []
+
+FIELDS = (
+    "torchmpmd version",
+    "torch version",
+    "traced graph",
+    "split into stages",
+    "schedule and its program",
+    "number of microbatches",
+    "dtypes",
+)
+
+
+def _hash(text: str) -> int:
+    # Object addresses (a function's repr in a graph) differ between processes.
+    stable = re.sub(r" at 0x[0-9a-f]+", "", text)
+    return int.from_bytes(hashlib.sha256(stable.encode()).digest()[:7], "little")
+
+
+def describe(pipe: Pipe, program: Program, version: str) -> list[str]:
+    """The configuration this rank was given, one text per field of FIELDS."""
+    graphs = []
+    for s in range(pipe.num_stages):
+        stage = pipe.stage(s)
+        if isinstance(stage, fx.GraphModule):
+            # Ops and their wiring, not their keyword arguments: a runner
+            # retargets the devices of its own stages' graphs.
+            graphs.append(
+                repr(
+                    [
+                        (n.op, str(n.target), [str(a) for a in n.all_input_nodes])
+                        for n in stage.graph.nodes
+                    ]
+                )
+            )
+        else:
+            graphs.append(type(stage).__name__)
+    split = [
+        (spec.input_names, spec.output_names, spec.num_user_inputs, spec.num_sends)
+        for spec in pipe.stage_specs
+    ]
+    tasks = [[str(t) for t in program.tasks(r)] for r in range(program.num_ranks)]
+    dtypes = [str(t.spec) for t in pipe.transfers] + [
+        f"{n}:{p.dtype}" for n, p in pipe.named_parameters()
+    ]
+    return [
+        version,
+        torch.__version__,
+        "\n".join(graphs),
+        repr(split),
+        f"{program.schedule!r} {program.placement} {tasks}",
+        str(program.num_microbatches),
+        repr(dtypes),
+    ]
+
+
+def check_same_job(texts: list[str], transport: Transport, timeout: float) -> None:
+    """Raises on every rank if any rank's configuration differs from rank 0's."""
+    mine = torch.tensor([[_hash(t) for t in texts]], dtype=torch.int64)
+    rows = [r.reshape(-1).tolist() for r in all_gather(transport, mine, timeout)]
+    for i, field in enumerate(FIELDS):
+        differ = [r for r, row in enumerate(rows) if row[i] != rows[0][i]]
+        if differ:
+            detail = f" (this rank: {texts[i]})" if len(texts[i]) <= 80 else ""
+            raise RuntimeError(
+                f"torchmpmd: rank {transport.rank}: the runners were not given the same job: "
+                f"the {field} of rank(s) {differ} differs from rank 0's{detail}. Every rank "
+                "must trace the same model with the same split and run the same schedule, "
+                "torch and torchmpmd"
+            )
