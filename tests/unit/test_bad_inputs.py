@@ -353,3 +353,27 @@ def test_runners_given_different_jobs_fail_naming_the_difference():
         r"schedule and its program of rank\(s\) \[1\] differs from rank 0's",
     ):
         local.step(x, target=y)
+
+
+def test_local_pipeline_stays_usable_after_a_bad_call():
+    # Every rank refuses the same bad batch before any message: the world is
+    # untouched, and the next good step runs.
+    local = _local()
+    with pytest.raises(ValueError, match="at least one row"):
+        local.step(x[:1], target=y[:1])
+    out = local.step(x, target=y)
+    assert torch.isfinite(out[0].loss)
+
+
+def test_a_stuck_rank_is_not_waited_for_past_the_timeout():
+    import time
+
+    def slow_loss(out, t):
+        time.sleep(12)  # user code that hangs far past the 1 s timeout
+        return _mse(out, t)
+
+    local = _local(loss_fn=slow_loss, timeout=1)
+    start = time.monotonic()
+    with pytest.raises(Exception, match=r"timed out|still running"):
+        local.step(x, target=y)
+    assert time.monotonic() - start < 9.0

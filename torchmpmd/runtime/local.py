@@ -66,12 +66,23 @@ class LocalPipeline:
         results: list[Any] = [None] * self.num_ranks
         errors: list[tuple[float, int, BaseException]] = []
 
+        # Ranks that failed before exchanging any message (checking their
+        # input): killed only if a peer is still running a moment later, so
+        # it is not left waiting for them. When every rank fails the same
+        # check (the same bad input), the world stays as it was and the
+        # pipeline stays usable.
+        quiet_failures: list[int] = []
+
         def run(rank: int) -> None:
+            runner = self.runners[rank]
             try:
-                results[rank] = fn(self.runners[rank])
+                results[rank] = fn(runner)
             except BaseException as err:  # reported below, per rank
-                # A failed rank is gone for its peers, as a crashed process is.
-                self.world.kill(rank)
+                if runner.communicated:
+                    # Gone for its peers, as a crashed process is.
+                    self.world.kill(rank)
+                else:
+                    quiet_failures.append(rank)
                 errors.append((time.monotonic(), rank, err))
 
         threads = [
@@ -79,8 +90,25 @@ class LocalPipeline:
         ]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
+        # A rank stuck in user code is not waited for past the runners'
+        # timeout (its peers give up on it by then).
+        limit = max(r.timeout for r in self.runners) + 5.0
+        while any(t.is_alive() for t in threads):
+            for t in threads:
+                t.join(0.02)
+            since = time.monotonic() - min(e[0] for e in errors) if errors else 0.0
+            if quiet_failures and since > 0.5:
+                for r in quiet_failures:
+                    self.world.kill(r)
+                quiet_failures.clear()
+            if errors and since > limit:
+                break
+        stuck = [r for r, t in enumerate(threads) if t.is_alive()]
+        for r in stuck:
+            self.world.kill(r)
+            errors.append(
+                (time.monotonic(), r, RuntimeError(f"rank {r} still running {limit:.0f} s later"))
+            )
         if errors:
             # The first failure is the cause; the others followed from it.
             errors.sort(key=lambda e: e[0])

@@ -169,6 +169,9 @@ class PipelineRunner:
         self.num_traces = 0
         self.timeline: Timeline | None = None
         self._checked_same_job = False
+        # Whether this runner has exchanged messages with its peers (after
+        # that, a failure may leave messages in flight).
+        self.communicated = False
 
     def _compiled_for(self, row: list[Any]) -> CompiledPipe:
         """The compiled pipe for one microbatch's inputs (traced on first sight)."""
@@ -226,6 +229,7 @@ class PipelineRunner:
         for mb, c in batch.first_uses():
             c.stages.prepare(step, mb)
         fns = Training([c.stages for c in batch.per_mb], step)
+        self.communicated = True
         with _original_errors(step, _GRADS_NOTE):
             compiled.executor.run(
                 fns.forward,
@@ -264,6 +268,7 @@ class PipelineRunner:
         self._check_same_job()
         step = Step(inputs=batch.inputs, targets=[])
         evaluation = Evaluation([c.stages for c in batch.per_mb], step)
+        self.communicated = True
         with _original_errors(step):
             batch.per_mb[0].eval_executor().run(evaluation.forward, shapes=batch.shapes)
         if isinstance(self._dp, Shard):
@@ -280,6 +285,7 @@ class PipelineRunner:
         from .. import __version__
 
         texts = describe(self._pipe, self.program, __version__)
+        self.communicated = True
         check_same_job(texts, self._transport, self._timeout)
         self._checked_same_job = True
 
@@ -296,6 +302,11 @@ class PipelineRunner:
                 f"init_weights: rank {self.rank} found no module of the model owning a tensor of "
                 f"its stages {self.local_stages}"
             )
+
+    @property
+    def timeout(self) -> float:
+        """Seconds any wait for a peer may take before the step fails."""
+        return self._timeout
 
     def local_modules(self) -> list[torch.nn.Module]:
         """This rank's stage modules (parameters and buffers under the model's names)."""
