@@ -377,3 +377,18 @@ def test_a_stuck_rank_is_not_waited_for_past_the_timeout():
     with pytest.raises(Exception, match=r"timed out|still running"):
         local.step(x, target=y)
     assert time.monotonic() - start < 9.0
+
+
+def test_a_rank_that_skipped_a_step_fails_every_rank_naming_both_calls():
+    # Rank 1's loop caught an exception and skipped its second step: without
+    # the check, its third step would pair with rank 0's second and report
+    # success with wrong gradients.
+    local = _local()
+    local.step(x, target=y)
+    local.runners[1]._calls += 1  # as if it had gone through a step rank 0 never made
+    with pytest.raises(
+        RuntimeError,
+        match=r"rank 0 is at call 2 \(step\) but rank 1 at call 3 \(step\)"
+        r"|rank 1 is at call 3 \(step\) but rank 0 at call 2 \(step\)",
+    ):
+        local.step(x, target=y)

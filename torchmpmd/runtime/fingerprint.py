@@ -1,11 +1,14 @@
-"""Same job everywhere: the runners of a group compare what they were given.
+"""Same job, same step: the runners of a group check in at every call.
 
-At the first step every rank hashes each part of its configuration (versions,
-the traced graph, the split, the schedule and its program, the number of
-microbatches, dtypes) and the ranks exchange the hashes over the runner's
-transport. A difference fails every rank at once, naming the first part that
-differs and the ranks that differ from rank 0, instead of exchanging tensors
-of the wrong shape or waiting for messages that never come.
+Each `step` / `eval_step` starts with one small exchange over the runner's
+transport: the call's number and kind, so that a rank that skipped or
+repeated a step (an exception caught by the training loop) fails every rank
+naming both calls, instead of pairing microbatches of different steps; and,
+at the first call, hashes of each part of the configuration (versions, the
+traced graph, the split, the schedule and its program, the number of
+microbatches, dtypes), so that a difference fails naming the first part that
+differs, instead of exchanging tensors of the wrong shape or waiting for
+messages that never come.
 """
 
 from __future__ import annotations
@@ -79,17 +82,36 @@ def describe(pipe: Pipe, program: Program, version: str) -> list[str]:
     ]
 
 
-def check_same_job(texts: list[str], transport: Transport, timeout: float) -> None:
-    """Raises on every rank if any rank's configuration differs from rank 0's."""
-    mine = torch.tensor([[_hash(t) for t in texts]], dtype=torch.int64)
+_KINDS = ("step", "eval_step")
+
+
+def check_in(
+    transport: Transport, timeout: float, call: int, kind: str, texts: list[str] | None
+) -> None:
+    """Every rank is at the same call (`call`-th step or eval_step) and, when
+    `texts` is given (the first call), was given the same job. One small
+    exchange per call; raises on every rank, naming what differs."""
+    hashes = [_hash(t) for t in texts] if texts is not None else [0] * len(FIELDS)
+    mine = torch.tensor([[call, _KINDS.index(kind), *hashes]], dtype=torch.int64)
     rows = [r.reshape(-1).tolist() for r in all_gather(transport, mine, timeout)]
-    for i, field in enumerate(FIELDS):
-        differ = [r for r, row in enumerate(rows) if row[i] != rows[0][i]]
-        if differ:
-            detail = f" (this rank: {texts[i]})" if len(texts[i]) <= 80 else ""
+    me = transport.rank
+    if texts is not None:
+        for i, field in enumerate(FIELDS):
+            differ = [r for r, row in enumerate(rows) if row[2 + i] != rows[0][2 + i]]
+            if differ:
+                detail = f" (this rank: {texts[i]})" if len(texts[i]) <= 80 else ""
+                raise RuntimeError(
+                    f"torchmpmd: rank {me}: the runners were not given the same job: the "
+                    f"{field} of rank(s) {differ} differs from rank 0's{detail}. Every rank "
+                    "must trace the same model with the same split and run the same schedule, "
+                    "torch and torchmpmd"
+                )
+    for r, row in enumerate(rows):
+        if row[:2] != [call, _KINDS.index(kind)]:
             raise RuntimeError(
-                f"torchmpmd: rank {transport.rank}: the runners were not given the same job: "
-                f"the {field} of rank(s) {differ} differs from rank 0's{detail}. Every rank "
-                "must trace the same model with the same split and run the same schedule, "
-                "torch and torchmpmd"
+                f"torchmpmd: rank {me} is at call {call} ({kind}) but rank {r} at call {row[0]} "
+                f"({_KINDS[row[1]]}): a rank skipped or repeated a step (an exception caught by "
+                "the training loop, a call made on some ranks only), so their messages would "
+                "mix two steps. Every rank must call step and eval_step the same number of "
+                "times, in the same order"
             )

@@ -22,7 +22,7 @@ from ..schedule.program import Program
 from ..schedule.task import Schedule
 from ..schedule.timeline import Timeline, TimelineEvent, from_records
 from .compiled import CompiledPipe, Options, signature_of, traced_signature
-from .fingerprint import check_same_job, describe
+from .fingerprint import check_in, describe
 from .materialize import init_weights
 from .microbatch import merge
 from .stages import Evaluation, LossFn, Step, Training
@@ -169,6 +169,7 @@ class PipelineRunner:
         self.num_traces = 0
         self.timeline: Timeline | None = None
         self._checked_same_job = False
+        self._calls = 0  # step and eval_step calls that reached the check-in
         # Whether this runner has exchanged messages with its peers (after
         # that, a failure may leave messages in flight).
         self.communicated = False
@@ -220,7 +221,7 @@ class PipelineRunner:
                     "step(..., target=y)"
                 ) from None
             raise
-        self._check_same_job()  # after local checks: they need no peer
+        self._check_in("step")  # after local checks: they need no peer
         compiled = batch.per_mb[0]
         step = Step(inputs=batch.inputs, targets=compiled.microbatcher.targets(target))
         dp = self._dp
@@ -265,7 +266,7 @@ class PipelineRunner:
         whole batch (microbatch outputs concatenated) on every rank."""
         self._stages.allocation.check(self._stages.modules, self.rank)
         batch = self._microbatches(args, kwargs)
-        self._check_same_job()
+        self._check_in("eval_step")
         step = Step(inputs=batch.inputs, targets=[])
         evaluation = Evaluation([c.stages for c in batch.per_mb], step)
         self.communicated = True
@@ -278,15 +279,15 @@ class PipelineRunner:
         names = [n for n in pipe.output_names if n is not None]
         return pipe.unflatten_outputs(dict(zip(names, flat, strict=True)))
 
-    def _check_same_job(self) -> None:
-        """At the first step: every rank was given the same job (fingerprint.py)."""
-        if self._checked_same_job:
-            return
+    def _check_in(self, kind: str) -> None:
+        """Every rank makes the same call (step or eval_step, counted) and, at
+        the first, was given the same job (fingerprint.py)."""
         from .. import __version__
 
-        texts = describe(self._pipe, self.program, __version__)
+        self._calls += 1
+        texts = None if self._checked_same_job else describe(self._pipe, self.program, __version__)
         self.communicated = True
-        check_same_job(texts, self._transport, self._timeout)
+        check_in(self._transport, self._timeout, self._calls, kind, texts)
         self._checked_same_job = True
 
     def init_weights(self, fn: Callable[[torch.nn.Module], object]) -> None:
