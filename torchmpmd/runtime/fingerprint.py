@@ -91,10 +91,15 @@ def check_in(
     """Every rank is at the same call (`call`-th step or eval_step) and, when
     `texts` is given (the first call), was given the same job. One small
     exchange per call; raises on every rank, naming what differs."""
-    hashes = [_hash(t) for t in texts] if texts is not None else [0] * len(FIELDS)
+    me = transport.rank
+    if texts is None:
+        # Later calls: each rank compares with its neighbours in rank order,
+        # a connected chain, one fixed-size message each way per pair.
+        _check_neighbours(transport, timeout, call, kind)
+        return
+    hashes = [_hash(t) for t in texts]
     mine = torch.tensor([[call, _KINDS.index(kind), *hashes]], dtype=torch.int64)
     rows = [r.reshape(-1).tolist() for r in all_gather(transport, mine, timeout)]
-    me = transport.rank
     if texts is not None:
         for i, field in enumerate(FIELDS):
             differ = [r for r, row in enumerate(rows) if row[2 + i] != rows[0][2 + i]]
@@ -107,11 +112,35 @@ def check_in(
                     "torch and torchmpmd"
                 )
     for r, row in enumerate(rows):
-        if row[:2] != [call, _KINDS.index(kind)]:
-            raise RuntimeError(
-                f"torchmpmd: rank {me} is at call {call} ({kind}) but rank {r} at call {row[0]} "
-                f"({_KINDS[row[1]]}): a rank skipped or repeated a step (an exception caught by "
-                "the training loop, a call made on some ranks only), so their messages would "
-                "mix two steps. Every rank must call step and eval_step the same number of "
-                "times, in the same order"
-            )
+        _same_call(me, call, kind, r, row[:2])
+
+
+def _same_call(me: int, call: int, kind: str, peer: int, theirs: list[int]) -> None:
+    if theirs != [call, _KINDS.index(kind)]:
+        raise RuntimeError(
+            f"torchmpmd: rank {me} is at call {call} ({kind}) but rank {peer} at call "
+            f"{theirs[0]} ({_KINDS[theirs[1]]}): a rank skipped or repeated a step (an exception "
+            "caught by the training loop, a call made on some ranks only), so their messages "
+            "would mix two steps. Every rank must call step and eval_step the same number of "
+            "times, in the same order"
+        )
+
+
+_CHECK_TAG = 0x7FFF0100  # outside the tags programs use
+
+
+def _check_neighbours(transport: Transport, timeout: float, call: int, kind: str) -> None:
+    """Exchanges (call, kind) with rank - 1 and rank + 1, in the global pair
+    order (0, 1), (1, 2), ...: the first unfinished pair always has both ends
+    ready, so blocking sends cannot deadlock."""
+    me, size = transport.rank, transport.size
+    mine = torch.tensor([call, _KINDS.index(kind)], dtype=torch.int64)
+    theirs = torch.empty(2, dtype=torch.int64)
+    if me > 0:  # the higher end of (me - 1, me): receive, then send
+        transport.recv(theirs, me - 1, _CHECK_TAG, timeout)
+        transport.send(mine, me - 1, _CHECK_TAG, timeout)
+        _same_call(me, call, kind, me - 1, theirs.tolist())
+    if me < size - 1:  # the lower end of (me, me + 1): send, then receive
+        transport.send(mine, me + 1, _CHECK_TAG, timeout)
+        transport.recv(theirs, me + 1, _CHECK_TAG, timeout)
+        _same_call(me, call, kind, me + 1, theirs.tolist())
