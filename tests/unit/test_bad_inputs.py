@@ -42,6 +42,10 @@ def _local(**kwargs: Any) -> LocalPipeline:
     return LocalPipeline(_pipe(), S.GPipe(M), 2, **kwargs)
 
 
+def _simulated() -> mpmd.Timeline:
+    return mpmd.compile_schedule(S.GPipe(M), 2, 2).simulate()
+
+
 def _runner(**kwargs: Any) -> mpmd.PipelineRunner:
     return _local(**kwargs).runners[0]
 
@@ -313,6 +317,27 @@ CASES: list[tuple[str, Callable[[], Any], type[BaseException], str]] = [
         RuntimeError,
         "run a step first",
     ),
+    # ---- plots
+    ("plot nothing", lambda: mpmd.viz.plot([]), ValueError, "no timeline given"),
+    (
+        "plot an empty timeline",
+        lambda: mpmd.viz.plot(mpmd.Timeline(2, [])),
+        ValueError,
+        "has no tasks",
+    ),
+    (
+        "plot with too few titles",
+        lambda: mpmd.viz.plot([_simulated(), _simulated()], titles=["one"]),
+        ValueError,
+        "1 titles for 2 timelines",
+    ),
+    (
+        "plot into a directory",
+        lambda: mpmd.viz.plot(_simulated(), "."),
+        ValueError,
+        "is not an image file",
+    ),
+    ("plot a program", lambda: mpmd.viz.plot([_pipe()]), TypeError, "not an mpmd.Timeline"),
 ]
 
 

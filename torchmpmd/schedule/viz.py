@@ -36,6 +36,25 @@ def plot(
     timelines = [timeline] if isinstance(timeline, Timeline) else list(timeline)
     if not timelines:
         raise ValueError("plot: no timeline given")
+    for k, tl in enumerate(timelines):
+        if not isinstance(tl, Timeline):
+            raise TypeError(f"plot: timeline {k} is a {type(tl).__name__}, not an mpmd.Timeline")
+        if not tl.tasks:
+            raise ValueError(
+                f"plot: timeline {k} ({tl.source}) has no tasks; plot a program's simulation or "
+                "a runner's timeline after a step"
+            )
+    if titles is not None and len(titles) != len(timelines):
+        raise ValueError(
+            f"plot: {len(titles)} titles for {len(timelines)} timelines; give one title each"
+        )
+    if path is not None:
+        target = Path(path)
+        if target.is_dir() or target.suffix.lower() not in (".png", ".svg", ".pdf", ".jpg"):
+            raise ValueError(
+                f"plot: path {str(path)!r} is not an image file; name one, e.g. "
+                f"'{target / 'timeline.png' if target.is_dir() else target.with_suffix('.png')}'"
+            )
     fig, axes = plt.subplots(
         len(timelines),
         1,
