@@ -39,6 +39,8 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from ..graph.pipe import place_tensor
+
 if TYPE_CHECKING:
     from ..runtime.runner import PipelineRunner
 
@@ -70,26 +72,9 @@ def local_model(runner: PipelineRunner) -> torch.nn.Module:
         if source is None or name in placed:
             continue
         t, persistent = tensors[source]
-        _place(view, name, t, persistent)
+        place_tensor(view, name, t, persistent=persistent)
         placed.add(name)
     return view
-
-
-def _place(root: torch.nn.Module, name: str, t: torch.Tensor, persistent: bool) -> None:
-    *path, leaf = name.split(".")
-    module = root
-    for part in path:
-        child = module._modules.get(part)
-        if child is None:
-            child = torch.nn.Module()
-            module._modules[part] = child
-        module = child
-    if isinstance(t, torch.nn.Parameter):
-        module._parameters[leaf] = t
-    else:
-        module._buffers[leaf] = t
-        if not persistent:
-            module._non_persistent_buffers_set.add(leaf)
 
 
 def _state(

@@ -33,7 +33,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .builder import _input_names
-from .pipe import Pipe, StageSpec, TensorSpec, TransferInfo
+from .pipe import Pipe, StageSpec, TensorSpec, TransferInfo, place_tensor
 from .plan import Plan, StageNodes, TiedParameter, Transfer
 
 __all__ = ["EagerStage", "from_stages"]
@@ -81,14 +81,14 @@ class EagerStage(torch.nn.Module):
         self._buffers.clear()
         self._non_persistent_buffers_set.clear()
         for local, p in self.module.named_parameters(remove_duplicate=False):
-            _place(self, self._mpmd_names[local], p, persistent=True)
+            place_tensor(self, self._mpmd_names[local], p, persistent=True)
         for owner_path, owner in self.module.named_modules(remove_duplicate=False):
             for leaf, b in owner._buffers.items():
                 if b is None:
                     continue
                 local = f"{owner_path}.{leaf}" if owner_path else leaf
                 persistent = leaf not in owner._non_persistent_buffers_set
-                _place(self, self._mpmd_names[local], b, persistent=persistent)
+                place_tensor(self, self._mpmd_names[local], b, persistent=persistent)
 
     def _apply(self, fn: Any, recurse: bool = True) -> EagerStage:
         # .to() / .double() act on the user's module, which forward runs.
@@ -123,23 +123,6 @@ class _Specs:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Specs:
         return self
-
-
-def _place(root: torch.nn.Module, name: str, value: torch.Tensor, *, persistent: bool) -> None:
-    *path, leaf = name.split(".")
-    module = root
-    for part in path:
-        child = module._modules.get(part)
-        if child is None:
-            child = torch.nn.Module()
-            module._modules[part] = child
-        module = child
-    if isinstance(value, torch.nn.Parameter):
-        module._parameters[leaf] = value
-    else:
-        module._buffers[leaf] = value
-        if not persistent:
-            module._non_persistent_buffers_set.add(leaf)
 
 
 @dataclass(frozen=True, slots=True)

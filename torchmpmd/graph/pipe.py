@@ -288,6 +288,28 @@ def unique_named_parameters(
                 yield name, p
 
 
+def place_tensor(
+    root: torch.nn.Module, name: str, value: torch.Tensor, *, persistent: bool
+) -> None:
+    """Registers `value` on `root` under the dotted `name` (a parameter or a
+    buffer, with its persistence), making plain container modules for the
+    path; the tensor object itself is shared, not copied."""
+    *path, leaf = name.split(".")
+    module = root
+    for part in path:
+        child = module._modules.get(part)
+        if child is None:
+            child = torch.nn.Module()
+            module._modules[part] = child
+        module = child
+    if isinstance(value, torch.nn.Parameter):
+        module._parameters[leaf] = value
+    else:
+        module._buffers[leaf] = value
+        if not persistent:
+            module._non_persistent_buffers_set.add(leaf)
+
+
 def check_input(name: str, expected: Any, value: Any) -> None:
     """Rejects an input whose shape, dtype or constant value differs from the trace."""
     if isinstance(expected, TensorSpec):

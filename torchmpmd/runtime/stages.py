@@ -115,18 +115,17 @@ class LocalStages:
         return out
 
     def call(self, step: Step, stage: int, mb: int, received: list[torch.Tensor]) -> Any:
-        """The stage's plain forward: its sent values, then (last stage) the model outputs."""
-        return self.run_stage(
-            stage, self._calls[stage], *self.user_inputs(step, stage, mb), *received
-        )
-
-    def run_stage(self, stage: int, fn: Callable[..., Any], *args: Any) -> Any:
-        """`fn(*args)`, under selective recompute if `stage` has it and grad is on."""
+        """The stage's plain forward: its sent values, then (last stage) the model
+        outputs; under selective recompute if the stage has it and grad is on."""
+        args = (*self.user_inputs(step, stage, mb), *received)
         if stage in self.selective and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(
-                fn, *args, use_reentrant=False, context_fn=selective_recompute_context
+                self._calls[stage],
+                *args,
+                use_reentrant=False,
+                context_fn=selective_recompute_context,
             )
-        return fn(*args)
+        return self._calls[stage](*args)
 
     def sends_and_loss(
         self, stage: int, outs: Any, target: Any, mb: int
