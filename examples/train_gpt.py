@@ -183,7 +183,18 @@ def main() -> None:
     if resume is not None:
         extra = mpmd.checkpoint.load(resume, runner, opt)
         first_step = int(extra["step"]) + 1
-        torch.set_rng_state(extra["per_rank"]["rng"])  # dropout continues the same draws
+        if int(extra.get("ranks", -1)) == world and "per_rank" in extra:
+            torch.set_rng_state(extra["per_rank"]["rng"])  # dropout continues the same draws
+        else:
+            # Another number of ranks: stages moved, so no rank's saved draws
+            # are its own any more; each starts afresh from (seed, step, rank).
+            torch.manual_seed((args.seed * 1_000_003 + first_step) * 4099 + rank)
+            if rank == 0:
+                print(
+                    f"the checkpoint was written by {extra.get('ranks', '?')} ranks, this job "
+                    f"has {world}: random generator states start afresh",
+                    flush=True,
+                )
         if rank == 0:
             print(f"resumed from {resume} at step {first_step}", flush=True)
     stream = batches(train, batch_size * args.dp, args.seq_len, args.seed, first_step)
@@ -203,7 +214,7 @@ def main() -> None:
                 Path(args.checkpoint_dir) / f"step-{step}",
                 runner,
                 opt,
-                extra={"step": step, "per_rank": {"rng": torch.get_rng_state()}},
+                extra={"step": step, "ranks": world, "per_rank": {"rng": torch.get_rng_state()}},
             )
             if rank == 0:
                 print(

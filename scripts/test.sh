@@ -11,6 +11,12 @@ cmake -S . -B build/cpp -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build build/cpp
 ctest --test-dir build/cpp --output-on-failure --timeout 60
 
+echo "== C++ core again under AddressSanitizer and UndefinedBehaviorSanitizer"
+cmake -S . -B build/asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DTORCHMPMD_SANITIZE=ON >/dev/null
+cmake --build build/asan
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+  ctest --test-dir build/asan --output-on-failure --timeout 120
+
 echo "== fuzzing the schedule validator (libFuzzer, 20 s)"
 cmake -S . -B build/fuzz -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DTORCHMPMD_FUZZ=ON \
   -DTORCHMPMD_BUILD_TESTS=OFF >/dev/null

@@ -2,6 +2,7 @@
 // ProcessGroup arguments go through torch's own pybind11 casters.
 #include <torch/python.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "bindings/bindings.h"
 #include "runtime/executor.h"
@@ -99,11 +100,29 @@ void bind_runtime(py::module_ m) {
           py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &Transport::rank)
       .def_property_readonly("size", &Transport::size)
-      .def_property_readonly("name", &Transport::name);
+      .def_property_readonly("name", &Transport::name)
+      .def("fail", &Transport::fail,
+           "This rank failed: tell the other ranks and abort.",
+           py::arg("reason"), py::call_guard<py::gil_scoped_release>())
+      .def("abort", &Transport::abort,
+           "Fail every wait of this transport, now and later, with `reason`.",
+           py::arg("reason"), py::call_guard<py::gil_scoped_release>())
+      .def("arm", &Transport::arm,
+           "Start watching for another rank's failure (nestable).")
+      .def("disarm", &Transport::disarm, "Undo one arm().")
+      .def_property_readonly("abort_reason", &Transport::abort_reason);
   py::class_<C10dTransport, Transport, std::shared_ptr<C10dTransport>>(
       m, "C10dTransport")
-      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(),
-           py::arg("group"));
+      .def(py::init([](c10::intrusive_ptr<c10d::ProcessGroup> group,
+                       std::optional<c10::intrusive_ptr<c10d::Store>> store,
+                       std::string key, double poll_interval_s) {
+             return std::make_shared<C10dTransport>(
+                 std::move(group), store.value_or(nullptr), std::move(key),
+                 std::chrono::milliseconds(
+                     static_cast<int64_t>(poll_interval_s * 1000)));
+           }),
+           py::arg("group"), py::arg("store") = py::none(), py::arg("key") = "",
+           py::arg("poll_interval_s") = 0.05);
   py::class_<LocalWorld, std::shared_ptr<LocalWorld>>(m, "LocalWorld")
       .def(py::init<int>(), py::arg("size"))
       .def_property_readonly("size", &LocalWorld::size)

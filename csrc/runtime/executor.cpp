@@ -274,14 +274,19 @@ void Executor::wait_recv(size_t index, State& st, const Instruction& user) {
     posted.request->wait(options_.timeout);
   } catch (const TransportError& e) {
     std::ostringstream msg;
-    msg << "torchmpmd: rank " << rank_ << " "
-        << (e.timed_out() ? "timed out after " : "failed ")
-        << (e.timed_out() ? seconds(options_.timeout) + " " : std::string())
-        << "waiting for " << describe(ins) << " from rank " << ins.peer
-        << ", needed by " << task << " (" << transport_->name()
-        << "): " << e.what() << ". Rank " << ins.peer
-        << " may have died or be stuck"
-        << (e.timed_out() ? "; if it is only slow, raise the timeout" : "");
+    msg << "torchmpmd: rank " << rank_ << " ";
+    if (e.aborted()) {
+      msg << "stopped waiting for " << describe(ins) << " from rank "
+          << ins.peer << ", needed by " << task << ", because " << e.what();
+    } else {
+      msg << (e.timed_out() ? "timed out after " : "failed ")
+          << (e.timed_out() ? seconds(options_.timeout) + " " : std::string())
+          << "waiting for " << describe(ins) << " from rank " << ins.peer
+          << ", needed by " << task << " (" << transport_->name()
+          << "): " << e.what() << ". Rank " << ins.peer
+          << " may have died or be stuck"
+          << (e.timed_out() ? "; if it is only slow, raise the timeout" : "");
+    }
     throw ExecutorError(msg.str());
   }
   at::Tensor buffer = std::move(posted.buffer);
@@ -315,11 +320,16 @@ void Executor::reap_sends(State& st, bool all) {
       }
     } catch (const TransportError& e) {
       std::ostringstream msg;
-      msg << "torchmpmd: rank " << rank_ << " "
-          << (e.timed_out() ? "timed out sending " : "failed sending ")
-          << describe(ins) << " to rank " << ins.peer << " ("
-          << transport_->name() << "): " << e.what() << ". Rank " << ins.peer
-          << " may have died or be stuck";
+      msg << "torchmpmd: rank " << rank_ << " ";
+      if (e.aborted()) {
+        msg << "stopped sending " << describe(ins) << " to rank " << ins.peer
+            << ", because " << e.what();
+      } else {
+        msg << (e.timed_out() ? "timed out sending " : "failed sending ")
+            << describe(ins) << " to rank " << ins.peer << " ("
+            << transport_->name() << "): " << e.what() << ". Rank " << ins.peer
+            << " may have died or be stuck";
+      }
       throw ExecutorError(msg.str());
     }
     if (done) {
@@ -726,6 +736,9 @@ void Executor::run(const StageFunctions& functions) {
     reap_sends(st, /*all=*/true);
   } catch (const ExecutorError& e) {
     throw PipelineError(e.what());
+  } catch (const TransportError& e) {  // posting a send or receive
+    throw PipelineError(c10::str("torchmpmd: rank ", rank_,
+                                 " stopped its step, because ", e.what()));
   }
   TORCH_INTERNAL_ASSERT(
       st.acts.empty() && st.outputs.empty() && st.leaves.empty() &&

@@ -9,12 +9,14 @@
 
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -23,6 +25,7 @@
 
 namespace c10d {
 class ProcessGroup;
+class Store;
 class Work;
 }  // namespace c10d
 
@@ -30,12 +33,36 @@ namespace torchmpmd::runtime {
 
 class TransportError : public std::runtime_error {
  public:
-  TransportError(const std::string& what, bool timed_out)
-      : std::runtime_error(what), timed_out_(timed_out) {}
-  bool timed_out() const { return timed_out_; }
+  enum class Kind {
+    kFailed,    // the operation failed (a peer closed its connection, ...)
+    kTimedOut,  // nothing happened before the timeout
+    kAborted,   // the transport was aborted: what() is the reason
+  };
+  TransportError(const std::string& what, Kind kind)
+      : std::runtime_error(what), kind_(kind) {}
+  Kind kind() const { return kind_; }
+  bool timed_out() const { return kind_ == Kind::kTimedOut; }
+  bool aborted() const { return kind_ == Kind::kAborted; }
 
  private:
-  bool timed_out_;
+  Kind kind_;
+};
+
+// Whether, and why, a transport was aborted. Set once (the first reason
+// wins); read without a lock on every wait. Thread-safe.
+class AbortState {
+ public:
+  // True if this call set the reason (the transport was not aborted yet).
+  bool set(const std::string& reason);
+  bool is_set() const { return set_.load(std::memory_order_acquire); }
+  std::optional<std::string> reason() const;
+  // Throws TransportError(kAborted) if set.
+  void check() const;
+
+ private:
+  std::atomic<bool> set_{false};
+  mutable std::mutex mutex_;
+  std::string reason_;
 };
 
 // One posted send or receive. Not thread-safe: owned by one executor.
@@ -51,6 +78,9 @@ class Request {
 
 class Transport {
  public:
+  Transport() : abort_(std::make_shared<AbortState>()) {}
+  explicit Transport(std::shared_ptr<AbortState> abort)
+      : abort_(std::move(abort)) {}
   virtual ~Transport() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
@@ -62,13 +92,42 @@ class Transport {
   virtual std::unique_ptr<Request> irecv(const at::Tensor& tensor, int peer,
                                          int64_t tag) = 0;
   virtual std::string name() const = 0;
+
+  // Failure handling (thread-safe). abort() makes every wait of this
+  // transport, pending or later, fail at once with a TransportError of kind
+  // kAborted carrying `reason` (the first reason wins). What was posted is
+  // abandoned, so an aborted transport cannot run another step.
+  void abort(const std::string& reason);
+  // This rank failed: tells the other ranks (c10d: a key in the group's
+  // store; local: the shared world), so they abort too, then aborts.
+  virtual void fail(const std::string& reason) { abort(reason); }
+  // While armed (arm() calls outnumber disarm() calls), the transport
+  // watches for another rank's fail() and aborts itself when it sees one.
+  virtual void arm() {}
+  virtual void disarm() {}
+  std::optional<std::string> abort_reason() const { return abort_->reason(); }
+
+ protected:
+  // Called once, by the abort() that set the reason: wake blocked waits.
+  virtual void on_abort() {}
+  const std::shared_ptr<AbortState>& abort_state() const { return abort_; }
+
+ private:
+  std::shared_ptr<AbortState> abort_;
 };
 
 // torch.distributed process groups: Gloo on CPU, NCCL on CUDA. Pipeline
 // rank r is rank r of the group.
+//
+// With a store (the group's c10d store, shared by its ranks), a failing rank
+// writes its reason under `key`; armed peers poll the key every
+// `poll_interval` from a background thread and abort when it appears.
 class C10dTransport : public Transport {
  public:
-  explicit C10dTransport(c10::intrusive_ptr<c10d::ProcessGroup> group);
+  explicit C10dTransport(
+      c10::intrusive_ptr<c10d::ProcessGroup> group,
+      c10::intrusive_ptr<c10d::Store> store = {}, std::string key = {},
+      std::chrono::milliseconds poll_interval = std::chrono::milliseconds(50));
   ~C10dTransport() override;
   int rank() const override;
   int size() const override;
@@ -77,9 +136,21 @@ class C10dTransport : public Transport {
   std::unique_ptr<Request> irecv(const at::Tensor& tensor, int peer,
                                  int64_t tag) override;
   std::string name() const override;
+  void fail(const std::string& reason) override;
+  void arm() override;
+  void disarm() override;
+
+  // Posted requests, so that abort() can interrupt their waits.
+  struct Live;
+
+ protected:
+  void on_abort() override;
 
  private:
+  struct Watch;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  std::shared_ptr<Live> live_;
+  std::shared_ptr<Watch> watch_;  // null without a store
 };
 
 // Ranks as threads of one process, exchanging tensors in memory with the
@@ -102,6 +173,8 @@ class LocalWorld : public std::enable_shared_from_this<LocalWorld> {
   std::condition_variable arrived_;
   std::map<Key, std::deque<at::Tensor>> mailbox_;  // FIFO per key, as Gloo
   std::set<int> dead_;
+  // Shared by every rank's transport: one rank's fail() aborts them all.
+  std::shared_ptr<AbortState> abort_ = std::make_shared<AbortState>();
 };
 
 }  // namespace torchmpmd::runtime

@@ -110,8 +110,10 @@ class LocalPipeline:
                 (time.monotonic(), r, RuntimeError(f"rank {r} still running {limit:.0f} s later"))
             )
         if errors:
-            # The first failure is the cause; the others followed from it.
-            errors.sort(key=lambda e: e[0])
+            # The first failure is the cause; the others followed from it
+            # (a rank that failed first says so: its peers' errors may be
+            # raised before its own is).
+            errors.sort(key=lambda e: (not self.runners[e[1]].failed_first, e[0]))
             first = errors[0][2]
             for _, rank, err in errors[1:]:
                 if hasattr(first, "add_note"):  # Python >= 3.11

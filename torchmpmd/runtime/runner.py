@@ -26,7 +26,7 @@ from .fingerprint import check_in, describe
 from .materialize import init_weights
 from .microbatch import merge
 from .stages import Evaluation, LossFn, Step, Training
-from .transport import C10dTransport, Transport, all_gather, broadcast
+from .transport import Transport, all_gather, broadcast, c10d_transport
 
 __all__ = ["PipelineRunner", "StepOutput"]
 
@@ -173,6 +173,9 @@ class PipelineRunner:
         # Whether this runner has exchanged messages with its peers (after
         # that, a failure may leave messages in flight).
         self.communicated = False
+        # Whether the last failed exchange failed here first (not because a
+        # peer's failure aborted it).
+        self.failed_first = False
 
     def _compiled_for(self, row: list[Any]) -> CompiledPipe:
         """The compiled pipe for one microbatch's inputs (traced on first sight)."""
@@ -211,6 +214,7 @@ class PipelineRunner:
         `(loss_fn(model(mb), target_mb) / num_microbatches).backward()` would.
         Returns the mean loss on every rank.
         """
+        self._refuse_if_failed()
         self._stages.allocation.check(self._stages.modules, self.rank)
         try:
             batch = self._microbatches(args, kwargs)
@@ -221,7 +225,11 @@ class PipelineRunner:
                     "step(..., target=y)"
                 ) from None
             raise
-        self._check_in("step")  # after local checks: they need no peer
+        with self._exchanging("step"):  # after local checks: they need no peer
+            return self._step(batch, target)
+
+    def _step(self, batch: _Batch, target: Any) -> StepOutput:
+        self._check_in("step")
         compiled = batch.per_mb[0]
         step = Step(inputs=batch.inputs, targets=compiled.microbatcher.targets(target))
         dp = self._dp
@@ -264,8 +272,13 @@ class PipelineRunner:
     def eval_step(self, *args: Any, **kwargs: Any) -> Any:
         """Forward only, keeping no autograd state; the model's output for the
         whole batch (microbatch outputs concatenated) on every rank."""
+        self._refuse_if_failed()
         self._stages.allocation.check(self._stages.modules, self.rank)
         batch = self._microbatches(args, kwargs)
+        with self._exchanging("eval_step"):
+            return self._eval_step(batch)
+
+    def _eval_step(self, batch: _Batch) -> Any:
         self._check_in("eval_step")
         step = Step(inputs=batch.inputs, targets=[])
         evaluation = Evaluation([c.stages for c in batch.per_mb], step)
@@ -278,6 +291,37 @@ class PipelineRunner:
         flat = self._share_outputs([c.pipe for c in batch.per_mb], step.outputs)
         names = [n for n in pipe.output_names if n is not None]
         return pipe.unflatten_outputs(dict(zip(names, flat, strict=True)))
+
+    @contextlib.contextmanager
+    def _exchanging(self, call: str) -> Iterator[None]:
+        """Around every exchange with the peers: watches for another rank's
+        failure (which then ends this rank's waits at once, naming it), and
+        on a failure here tells the peers, so that nobody waits out its
+        timeout for a rank that already gave up."""
+        self._transport.arm()
+        try:
+            yield
+        except BaseException as err:
+            # First to fail, or failing because a peer did?
+            self.failed_first = self._transport.abort_reason is None
+            self._transport.fail(f"rank {self.rank} failed in {call}: {_first_line(err)}")
+            raise
+        finally:
+            self._transport.disarm()
+
+    def _refuse_if_failed(self) -> None:
+        """A runner whose exchange failed (here or on a peer) is not reused."""
+        reason = self._transport.abort_reason
+        if reason is None:
+            return
+        raise PipelineError(
+            f"torchmpmd: rank {self.rank}: this runner cannot run another step after a failed "
+            f"one ({reason}). Messages of the failed step may still be in flight on its process "
+            "group. Build a new PipelineRunner on a new process group on every rank "
+            "(torch.distributed.new_group) and load the last checkpoint (mpmd.checkpoint.load), "
+            "or let torchrun (--max-restarts) restart the job and resume from "
+            "mpmd.checkpoint.latest(dir)"
+        )
 
     def _check_in(self, kind: str) -> None:
         """Every rank makes the same call (step or eval_step, counted) and, at
@@ -421,7 +465,9 @@ class PipelineRunner:
             op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
             dist.all_reduce(sharded, op=op, group=self._dp_group)
             local = torch.maximum(local, sharded) if inf else local + sharded
-        parts = all_gather(self._transport, local.reshape(1, 1).to(self.device), self._timeout)
+        self._refuse_if_failed()
+        with self._exchanging("clip_grad_norm_"):
+            parts = all_gather(self._transport, local.reshape(1, 1).to(self.device), self._timeout)
         gathered = torch.cat([part.reshape(-1) for part in parts])
         total = gathered.max() if inf else gathered.sum().pow(1.0 / norm_type)
         if error_if_nonfinite and not bool(torch.isfinite(total)):
@@ -459,7 +505,9 @@ class PipelineRunner:
             dtype=torch.float64,
             device=self.device,
         ).reshape(-1, 5)
-        parts = all_gather(self._transport, rows, self._timeout)
+        self._refuse_if_failed()
+        with self._exchanging("gather_timeline"):
+            parts = all_gather(self._transport, rows, self._timeout)
         events = [
             TimelineEvent(rank, kinds[int(k)], int(s), int(mb), start, end)
             for rank, part in enumerate(parts)
@@ -573,6 +621,16 @@ _GRADS_NOTE = (
 )
 
 
+def _first_line(err: BaseException) -> str:
+    """The error's message for a peer: its first line, without the note on
+    gradients (each rank adds its own) or a traceback."""
+    text = err.args[0] if err.args and isinstance(err.args[0], str) else str(err)
+    text = text.split("\n", 1)[0].replace(_GRADS_NOTE, "")
+    if not isinstance(err, PipelineError):
+        text = f"{type(err).__name__}: {text}" if text else type(err).__name__
+    return text
+
+
 def _as_type(err: Exception, kind: type[BaseException]) -> Exception:
     if not issubclass(kind, Exception) or issubclass(PipelineError, kind):
         return err
@@ -580,7 +638,12 @@ def _as_type(err: Exception, kind: type[BaseException]) -> Exception:
     combined = _COMBINED.get(kind)
     if combined is None:
         try:
-            combined = type(name, (PipelineError, kind), {"__module__": "torchmpmd"})
+            # The message as PipelineError shows it (KeyError's str is a repr).
+            combined = type(
+                name,
+                (PipelineError, kind),
+                {"__module__": "torchmpmd", "__str__": BaseException.__str__},
+            )
         except TypeError:  # a builtin whose layout cannot be combined
             return err
         _COMBINED[kind] = combined
@@ -653,7 +716,7 @@ def _connect(group: dist.ProcessGroup | None, transport: Transport | None) -> Tr
     group = group if group is not None else dist.group.WORLD
     if group is None:
         raise RuntimeError("PipelineRunner: torch.distributed has no default process group")
-    return C10dTransport(group)
+    return c10d_transport(group)
 
 
 def _pick_device(

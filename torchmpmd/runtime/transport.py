@@ -13,6 +13,8 @@ transport, so every transport gives the same behaviour.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import Store
 
 from .. import _C
 
@@ -21,6 +23,31 @@ __all__ = ["C10dTransport", "LocalWorld", "Transport"]
 Transport = _C.runtime.Transport
 C10dTransport = _C.runtime.C10dTransport
 LocalWorld = _C.runtime.LocalWorld
+
+_transports_made: dict[str, int] = {}
+
+
+def c10d_transport(group: dist.ProcessGroup) -> C10dTransport:
+    """A C10dTransport over `group` that tells the group's other ranks when
+    this one fails, through the group's c10d store (every rank of the group
+    makes its transports in the same order, so the n-th ones share a key)."""
+    store = _store_of(group)
+    if store is None:
+        return C10dTransport(group)
+    name = group.group_name
+    n = _transports_made.get(name, 0)
+    _transports_made[name] = n + 1
+    return C10dTransport(group, store=store, key=f"torchmpmd/failed/{n}")
+
+
+def _store_of(group: dist.ProcessGroup) -> Store | None:
+    """The c10d store of `group` (private in torch: None if it moved)."""
+    try:
+        entry = dist.distributed_c10d._world.pg_map.get(group)
+    except AttributeError:
+        return None
+    return None if entry is None else entry[1]
+
 
 # Tags of the messages that share a step's results; program messages use
 # tags from 0 upwards in each rank pair's sequence.
