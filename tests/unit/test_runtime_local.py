@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from models import CASES
+from models import CASES, MLP
 
 import torchmpmd as mpmd
 from torchmpmd.testing import LocalPipeline
@@ -119,6 +119,40 @@ def test_dead_peer_fails_every_rank_with_context():
         announced = rf"torchmpmd: rank {r} stopped .*, because rank (2 failed in step: .*rank 2 crashed|\d failed in step: .*peer rank 2 is gone)"
         assert re.match(direct[r], text) or re.match(announced, text), text
     assert isinstance(errors[1], mpmd.PipelineError)
+
+
+def test_failure_reaches_a_peer_waiting_outside_the_executor():
+    """Rank 0 has sent every forward and waits for the outputs the last rank
+    shares (a wait in Python, not in the executor) when the last stage fails:
+    it stops at once, with its own rank and call and the cause."""
+    pipe = mpmd.trace(MLP(8, 4).double(), (torch.randn(2, 8).double(),), split_after=["layers.1"])
+    batch = (torch.randn(2 * M, 8).double(),)
+    local = LocalPipeline(pipe, mpmd.schedules.GPipe(M), 2)  # the default 300 s timeout
+    runner = local.runners[1]
+    module = runner._stages._calls[1]
+
+    def fails_last(*args):
+        fails_last.calls += 1
+        if fails_last.calls == M:
+            time.sleep(0.2)  # rank 0 is waiting for the outputs by now
+            raise OverflowError("activations overflowed")
+        return module(*args)
+
+    fails_last.calls = 0
+    runner._stages._calls[1] = fails_last
+    start = time.monotonic()
+    with pytest.raises(OverflowError, match="activations overflowed") as info:
+        local.eval_step(*batch)
+    assert time.monotonic() - start < 5
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert re.search(
+        r"then rank 0: torchmpmd: rank 0 stopped eval_step, because rank 1 failed in eval_step: "
+        r"torchmpmd: rank 1: F\(stage=1, mb=3\) failed: OverflowError: activations overflowed",
+        notes,
+    ), notes
+    # Both refuse the next call at once.
+    with pytest.raises(mpmd.PipelineError, match="cannot run another step after a failed one"):
+        local.eval_step(*batch)
 
 
 def test_stuck_peer_times_out_with_context():

@@ -26,7 +26,7 @@ from .fingerprint import check_in, describe
 from .materialize import init_weights
 from .microbatch import merge
 from .stages import Evaluation, LossFn, Step, Training
-from .transport import Transport, all_gather, broadcast, c10d_transport
+from .transport import Transport, TransportError, all_gather, broadcast, c10d_transport
 
 __all__ = ["PipelineRunner", "StepOutput"]
 
@@ -301,6 +301,22 @@ class PipelineRunner:
         self._transport.arm()
         try:
             yield
+        except TransportError as err:
+            # A wait outside the executor (the check-in, results shared at
+            # the end): give it this rank's context, as the executor does.
+            reason = self._transport.abort_reason
+            if reason is not None and str(err) == reason:
+                text = f"torchmpmd: rank {self.rank} stopped {call}, because {reason}"
+            else:
+                text = (
+                    f"torchmpmd: rank {self.rank} failed in {call} while exchanging the call "
+                    f"check-in or the step's results with its peers ({self._transport.name}): "
+                    f"{err}. A peer may have died or be stuck; if it is only slow, raise the "
+                    f"timeout ({self._timeout:g} s)"
+                )
+            self.failed_first = reason is None
+            self._transport.fail(f"rank {self.rank} failed in {call}: {text}")
+            raise PipelineError(text) from err
         except BaseException as err:
             # First to fail, or failing because a peer did?
             self.failed_first = self._transport.abort_reason is None

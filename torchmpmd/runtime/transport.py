@@ -18,9 +18,10 @@ from torch._C._distributed_c10d import Store
 
 from .. import _C
 
-__all__ = ["C10dTransport", "LocalWorld", "Transport"]
+__all__ = ["C10dTransport", "LocalWorld", "Transport", "TransportError"]
 
 Transport = _C.runtime.Transport
+TransportError = _C.runtime.TransportError
 C10dTransport = _C.runtime.C10dTransport
 LocalWorld = _C.runtime.LocalWorld
 

@@ -1,0 +1,179 @@
+"""Every built-in schedule on the bundled GPT, side by side in one run on 2 Gloo
+ranks: median step time, each schedule's ratio to 1F1B, measured / simulated
+step (costs profiled from the same run), and I + W against B per stage.
+
+    python benchmarks/schedules.py                 # launches 2 ranks itself
+    python benchmarks/schedules.py --json out.json
+
+Schedules take turns step by step (round robin), so every schedule sees the
+same machine conditions; the figures are medians over `--steps` rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+from gpt import GPT, GPTConfig, split_points  # noqa: E402
+
+import torchmpmd as mpmd  # noqa: E402
+
+S = mpmd.schedules
+# name -> (schedule class, stages per rank)
+SCHEDULES: dict[str, tuple[type[mpmd.Schedule], int]] = {
+    "GPipe": (S.GPipe, 1),
+    "1F1B": (S.OneFOneB, 1),
+    "Eager1F1B": (S.Eager1F1B, 1),
+    "ZB-H1": (S.ZeroBubbleH1, 1),
+    "Interleaved1F1B": (S.Interleaved1F1B, 2),
+    "ZBV": (S.ZBV, 2),
+    "DualPipeV": (S.DualPipeV, 2),
+}
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--schedules", default=",".join(SCHEDULES))
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--microbatch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dim", type=int, default=192)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    return p.parse_args()
+
+
+def stage_means(timelines: list[mpmd.Timeline]) -> dict[tuple[int, str], float]:
+    """Mean duration of each (stage, task kind) over the timelines' tasks."""
+    sums: dict[tuple[int, str], list[float]] = defaultdict(list)
+    for tl in timelines:
+        for e in tl.tasks:
+            sums[(e.stage, e.kind)].append(e.duration)
+    return {k: statistics.fmean(v) for k, v in sums.items()}
+
+
+def main() -> None:
+    args = parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    cfg = GPTConfig(seq_len=args.seq_len, dim=args.dim, layers=args.layers)
+    m, b = args.microbatches, args.microbatch_size
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, cfg.vocab_size, (m * b, args.seq_len), generator=g)
+    y = torch.randint(0, cfg.vocab_size, (m * b, args.seq_len), generator=g)
+    example = torch.zeros(b, args.seq_len, dtype=torch.long)
+
+    names = args.schedules.split(",")
+    runners: dict[str, mpmd.PipelineRunner] = {}
+    for name in names:
+        cls, per_rank = SCHEDULES[name]
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        pipe = mpmd.trace(model, (example,), split_before=split_points(cfg, world * per_rank))
+        runners[name] = mpmd.PipelineRunner(pipe, cls(m), loss_fn=lm_loss)
+
+    times: dict[str, list[float]] = defaultdict(list)
+    timelines: dict[str, list[mpmd.Timeline]] = defaultdict(list)
+    losses: dict[str, float] = {}
+    for i in range(args.warmup + args.steps):
+        for name in names:
+            runner = runners[name]
+            dist.barrier()
+            start = time.perf_counter()
+            losses[name] = runner.step(x, target=y).loss.item()
+            elapsed = time.perf_counter() - start
+            for p in runner.parameters():
+                p.grad = None
+            if i >= args.warmup:
+                times[name].append(elapsed)
+                timelines[name].append(runner.gather_timeline())
+
+    rows: list[dict[str, Any]] = []
+    for name in names:
+        runner = runners[name]
+        num_stages = runner.program.num_stages
+        measured = statistics.median(times[name])
+        # The executor's own span (no Python set-up around it), and the
+        # simulator's prediction with costs profiled from the same steps.
+        span = statistics.median(tl.step_time for tl in timelines[name])
+        costs = mpmd.Costs.from_timeline(mpmd.Timeline.merge(timelines[name]), num_stages)
+        simulated = runner.program.simulate(costs).step_time
+        means = stage_means(timelines[name])
+        rows.append(
+            {
+                "schedule": name,
+                "stages": num_stages,
+                "step_s": measured,
+                "executor_span_s": span,
+                "simulated_s": simulated,
+                "measured_over_simulated": span / simulated,
+                "loss": losses[name],
+                "task_means_s": {f"{k}{s}": v for (s, k), v in sorted(means.items())},
+            }
+        )
+    base = next((r["step_s"] for r in rows if r["schedule"] == "1F1B"), rows[0]["step_s"])
+    for r in rows:
+        r["over_1f1b"] = r["step_s"] / base
+    if rank == 0:
+        print(
+            f"GPT {args.layers}x{args.dim}, {world} Gloo ranks, {m} microbatches of "
+            f"{b}x{args.seq_len}; medians of {args.steps} rounds after {args.warmup} warm-up"
+        )
+        print(
+            f"{'schedule':16} {'stages':>6} {'step':>9} {'/1F1B':>6} {'span':>9} "
+            f"{'simulated':>9} {'meas/sim':>8}"
+        )
+        for r in rows:
+            print(
+                f"{r['schedule']:16} {r['stages']:6d} {r['step_s'] * 1e3:7.1f}ms "
+                f"{r['over_1f1b']:6.3f} {r['executor_span_s'] * 1e3:7.1f}ms "
+                f"{r['simulated_s'] * 1e3:7.1f}ms {r['measured_over_simulated']:8.3f}"
+            )
+        split = {r["schedule"]: r["task_means_s"] for r in rows}
+        if "1F1B" in split and "ZB-H1" in split:
+            print("per stage, inside the runtime: I + W (ZB-H1) / B (1F1B)")
+            for s in range(world):
+                b_time = split["1F1B"].get(f"B{s}")
+                i_time, w_time = split["ZB-H1"].get(f"I{s}"), split["ZB-H1"].get(f"W{s}")
+                if b_time and i_time is not None and w_time is not None:
+                    print(
+                        f"  stage {s}: I {i_time * 1e3:.2f} + W {w_time * 1e3:.2f} = "
+                        f"{(i_time + w_time) * 1e3:.2f} ms vs B {b_time * 1e3:.2f} ms: "
+                        f"{(i_time + w_time) / b_time:.3f}"
+                    )
+                f_ratio = split["ZB-H1"].get(f"F{s}", 0.0) / split["1F1B"].get(f"F{s}", 1.0)
+                print(f"  stage {s}: F (ZB-H1) / F (1F1B) = {f_ratio:.3f}")
+        if args.json is not None:
+            args.json.write_text(
+                json.dumps({"config": vars(args) | {"json": None}, "rows": rows}, indent=1)
+            )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if "RANK" not in os.environ:
+        from torch.distributed.run import main as torchrun
+
+        torchrun(["--standalone", "--nproc_per_node=2", __file__, *sys.argv[1:]])
+    else:
+        main()
