@@ -14,6 +14,7 @@ import torch  # noqa: F401  (loads libtorch before the native core)
 
 from . import _C, checkpoint, schedules, viz
 from .graph import Pipe, from_stages, mark_stage_end, trace
+from .graph.balance import Balance, balance
 from .runtime import PipelineRunner, StepOutput
 from .schedule import Costs, Program, Schedule, Task, Timeline, TimelineEvent, compile_schedule
 
@@ -23,6 +24,7 @@ PipelineError = _C.runtime.PipelineError
 PipelineError.__module__ = "torchmpmd"
 
 __all__ = [
+    "Balance",
     "Costs",
     "Pipe",
     "PipelineError",
@@ -33,6 +35,7 @@ __all__ = [
     "Task",
     "Timeline",
     "TimelineEvent",
+    "balance",
     "checkpoint",
     "compile_schedule",
     "from_stages",

@@ -1,0 +1,401 @@
+"""`mpmd.balance` against the even split and against every split: three uneven
+models, 2 stages on 2 Gloo ranks, real step times.
+
+    python benchmarks/balance.py            # launches 2 ranks itself
+    torchrun --standalone --nproc_per_node=2 benchmarks/balance.py
+
+For each model, `mpmd.balance` profiles it (on rank 0, which broadcasts the
+result) and picks a split twice: with its defaults ("defaults": no loss, free
+transfers) and told what the runner will do ("balanced": the loss function,
+and the Gloo link's bandwidth and latency, measured here by ping-pong). Then
+every split at a unit boundary (the units balance itself considers, so the
+balanced and even splits are among them) is traced, run and timed. Splits take turns, one step each per round, so all
+of them see the same machine conditions (which drift on a shared machine); a
+split's time is the median of its `--rounds` steps after `--warmup` rounds.
+Each rank runs one thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+from gpt import GPT, GPTConfig  # noqa: E402
+from launch import launch  # noqa: E402
+
+import torchmpmd as mpmd  # noqa: E402
+from torchmpmd.graph.balance import simulate  # noqa: E402
+
+# --------------------------------------------------------------------------- models
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.self_attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.ln2 = nn.LayerNorm(dim)
+        self.cross = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.ln3 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.self_attn(h, h, h, need_weights=False, is_causal=False)[0]
+        h = self.ln2(x)
+        x = x + self.cross(h, memory, memory, need_weights=False)[0]
+        return x + self.mlp(self.ln3(x))
+
+
+class Seq2Seq(nn.Module):
+    """Long source, short target: heavy encoder layers, light decoder layers
+    (each reading the encoder's output), a large output vocabulary."""
+
+    def __init__(
+        self, src_vocab: int = 1024, tgt_vocab: int = 8192, dim: int = 64, heads: int = 4
+    ) -> None:
+        super().__init__()
+        self.src_emb = nn.Embedding(src_vocab, dim)
+        self.enc = nn.ModuleList(EncoderLayer(dim, heads) for _ in range(4))
+        self.enc_norm = nn.LayerNorm(dim)
+        self.tgt_emb = nn.Embedding(tgt_vocab, dim)
+        self.dec = nn.ModuleList(DecoderLayer(dim, heads) for _ in range(2))
+        self.dec_norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, tgt_vocab)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        memory = self.src_emb(src)
+        for layer in self.enc:
+            memory = layer(memory)
+        memory = self.enc_norm(memory)
+        x = self.tgt_emb(tgt)
+        for layer in self.dec:
+            x = layer(x, memory)
+        return self.head(self.dec_norm(x))
+
+
+class ConvBlock(nn.Module):
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(cin, cout, 3, padding=1)
+        self.c2 = nn.Conv2d(cout, cout, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.c2(F.relu(self.c1(x))))
+
+
+class UNet(nn.Module):
+    """Few channels per level, so the full-resolution levels dominate; the
+    decoder (with a refinement block at full resolution) outweighs the
+    encoder, and every encoder level skips to its decoder mirror."""
+
+    def __init__(self, ch: tuple[int, ...] = (12, 16, 24, 32)) -> None:
+        super().__init__()
+        c1, c2, c3, c4 = ch
+        self.enc1, self.enc2, self.enc3 = ConvBlock(3, c1), ConvBlock(c1, c2), ConvBlock(c2, c3)
+        self.mid = ConvBlock(c3, c4)
+        self.up3, self.dec3 = nn.ConvTranspose2d(c4, c3, 2, stride=2), ConvBlock(2 * c3, c3)
+        self.up2, self.dec2 = nn.ConvTranspose2d(c3, c2, 2, stride=2), ConvBlock(2 * c2, c2)
+        self.up1, self.dec1 = nn.ConvTranspose2d(c2, c1, 2, stride=2), ConvBlock(2 * c1, c1)
+        self.refine = ConvBlock(c1, c1)
+        self.out = nn.Conv2d(c1, 1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e1 = self.enc1(x)
+        e2 = self.enc2(F.max_pool2d(e1, 2))
+        e3 = self.enc3(F.max_pool2d(e2, 2))
+        m = self.mid(F.max_pool2d(e3, 2))
+        d3 = self.dec3(torch.cat([self.up3(m), e3], dim=1))
+        d2 = self.dec2(torch.cat([self.up2(d3), e2], dim=1))
+        d1 = self.dec1(torch.cat([self.up1(d2), e1], dim=1))
+        return self.out(self.refine(d1))
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+@dataclass
+class Case:
+    name: str
+    model: nn.Module
+    batch: tuple[torch.Tensor, ...]  # the whole step's inputs (dim 0: samples)
+    target: torch.Tensor
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def cases(m: int, b: int) -> list[Case]:
+    g = torch.Generator().manual_seed(1)
+    n = m * b
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(vocab_size=16384, seq_len=32, dim=64, heads=4, layers=6))
+    torch.manual_seed(0)
+    s2s = Seq2Seq()
+    torch.manual_seed(0)
+    unet = UNet()
+    return [
+        Case(
+            "gpt (vocab 16k)",
+            gpt,
+            (torch.randint(0, 16384, (n, 32), generator=g),),
+            torch.randint(0, 16384, (n, 32), generator=g),
+            lm_loss,
+        ),
+        Case(
+            "encoder-decoder",
+            s2s,
+            (
+                torch.randint(0, 1024, (n, 96), generator=g),
+                torch.randint(0, 8192, (n, 16), generator=g),
+            ),
+            torch.randint(0, 8192, (n, 16), generator=g),
+            lm_loss,
+        ),
+        Case(
+            "u-net",
+            unet,
+            (torch.randn(n, 3, 48, 48, generator=g),),
+            torch.randn(n, 1, 48, 48, generator=g),
+            F.mse_loss,
+        ),
+    ]
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def predicted(found: mpmd.Balance, split: list[str], link: tuple[float, float]) -> float:
+    """The simulator's step for one split of the profile balance measured."""
+    timeline = simulate(
+        found.profile,
+        split,
+        schedule=found.schedule,
+        num_ranks=found.num_ranks,
+        latency=link[0],
+        bandwidth=link[1],
+    )
+    return timeline.step_time
+
+
+def measure_link(rank: int, repeats: int = 20) -> tuple[float, float]:
+    """Latency (s) and bandwidth (bytes/s) between the two ranks, by ping-pong."""
+    one_way = []
+    for numel in (64, 1 << 20):
+        buf = torch.zeros(numel)
+        samples = []
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            else:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+            samples.append((time.perf_counter() - t0) / 2)
+        one_way.append(statistics.median(samples))
+    box: list[Any] = [one_way]
+    dist.broadcast_object_list(box, src=0)
+    small, big = box[0]
+    return small, 4 * (1 << 20) / max(big - small, 1e-9)
+
+
+def run_case(
+    case: Case, args: argparse.Namespace, rank: int, link: tuple[float, float]
+) -> dict[str, Any]:
+    m = args.microbatches
+    example = tuple(t[: args.microbatch_size] for t in case.batch)
+    schedule = mpmd.schedules.OneFOneB(m)
+    start = time.perf_counter()
+    found = mpmd.balance(
+        case.model,
+        example,
+        2,
+        schedule=schedule,
+        num_ranks=2,
+        loss_fn=case.loss,
+        example_target=case.target[: args.microbatch_size],
+        latency=link[0],
+        bandwidth=link[1],
+    )
+    balance_s = time.perf_counter() - start
+    defaults = mpmd.balance(case.model, example, 2, schedule=schedule, num_ranks=2)
+    splits = [[u] for u in found.profile.units[1:]]
+    runners = []
+    for split in splits:
+        pipe = mpmd.trace(case.model, example, split_before=split)
+        runners.append(mpmd.PipelineRunner(pipe, mpmd.schedules.OneFOneB(m), loss_fn=case.loss))
+
+    def unpipelined() -> None:
+        # The same step on one rank: gradient accumulation over the microbatches.
+        for *mb, y in zip(*(t.chunk(m) for t in (*case.batch, case.target)), strict=True):
+            (case.loss(case.model(*mb), y) / m).backward()
+
+    times: list[list[float]] = [[] for _ in splits]
+    serial: list[float] = []
+    for r in range(args.warmup + args.rounds):
+        dist.barrier()
+        if rank == 0:
+            t0 = time.perf_counter()
+            unpipelined()
+            if r >= args.warmup:
+                serial.append(time.perf_counter() - t0)
+            for p in case.model.parameters():
+                p.grad = None
+        dist.barrier()
+        for i, runner in enumerate(runners):
+            dist.barrier()
+            t0 = time.perf_counter()
+            runner.step(*case.batch, target=case.target)
+            elapsed = time.perf_counter() - t0
+            if r >= args.warmup:
+                times[i].append(elapsed)
+            for p in case.model.parameters():
+                p.grad = None
+    measured = [statistics.median(t) for t in times]
+    # Rank 0's clock decides: both ranks end a step together (the loss crosses).
+    box: list[Any] = [measured]
+    dist.broadcast_object_list(box, src=0)
+    measured = box[0]
+    serial_s = statistics.median(serial) if serial else 0.0
+    names = [s[0] for s in splits]
+    return {
+        "found": found,
+        "defaults": defaults,
+        "balance_s": balance_s,
+        "serial": serial_s,
+        "names": names,
+        "measured": measured,
+        "predicted": [predicted(found, s, link) for s in splits],
+        "rank": rank,
+    }
+
+
+def report(case: Case, r: dict[str, Any], args: argparse.Namespace) -> tuple[Any, ...]:
+    found: mpmd.Balance = r["found"]
+    names, measured, pred = r["names"], r["measured"], r["predicted"]
+    print(
+        f"\n{case.name}: {len(found.profile.units)} units, balance took {r['balance_s']:.1f} s; "
+        f"unpipelined on one rank: {r['serial'] * 1e3:.1f} ms"
+    )
+    print(f"  {'split_before':<16}{'measured':>10}{'predicted':>11}")
+    best = min(range(len(names)), key=lambda i: measured[i])
+    bal = names.index(found.split_before[0])
+    default = names.index(r["defaults"].split_before[0])
+    even = names.index(found.even_split_before[0])
+    for i, name in enumerate(names):
+        marks = "".join(
+            f" <- {w}"
+            for w, j in (("balanced", bal), ("defaults", default), ("even", even), ("best", best))
+            if i == j
+        )
+        print(f"  {name:<16}{measured[i] * 1e3:8.1f}ms{pred[i] * 1e3:9.1f}ms{marks}")
+    return (
+        case.name,
+        (names[bal], measured[bal]),
+        (names[default], measured[default]),
+        (names[even], measured[even]),
+        (names[best], measured[best]),
+    )
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--microbatch-size", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--models", default="", help="comma-separated prefixes; default: all")
+    p.add_argument("--json", type=Path, default=None, help="also write the table here")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.set_num_threads(1)
+    rows = []
+    link = measure_link(rank)
+    if rank == 0:
+        print(f"Gloo link: {link[0] * 1e6:.0f} us latency, {link[1] / 1e9:.2f} GB/s")
+    for case in cases(args.microbatches, args.microbatch_size):
+        if args.models and not any(case.name.startswith(p) for p in args.models.split(",")):
+            continue
+        result = run_case(case, args, rank, link)
+        if rank == 0:
+            rows.append(report(case, result, args))
+    if rank == 0:
+        print(
+            f"\n2 stages on 2 Gloo ranks (1 thread each), OneFOneB, {args.microbatches} "
+            f"microbatches of {args.microbatch_size}; median of {args.rounds} steps per split, "
+            "taken in turns"
+        )
+        header = (
+            f"{'model':<17}{'balanced':<17}{'defaults':<17}{'even':<17}{'best':<17}"
+            f"{'bal/best':>9}{'bal/even':>9}{'def/best':>9}{'def/even':>9}"
+        )
+        print(header)
+        print("-" * len(header))
+        for name, bal, default, even, best in rows:
+            cells = "".join(f"{n:<10}{t * 1e3:5.0f}ms" + " " for n, t in (bal, default, even, best))
+            ratios = (
+                bal[1] / best[1],
+                bal[1] / even[1],
+                default[1] / best[1],
+                default[1] / even[1],
+            )
+            print(f"{name:<17}{cells}" + "".join(f"{x:9.3f}" for x in ratios))
+        if args.json is not None:
+            args.json.write_text(
+                json.dumps(
+                    [
+                        {
+                            "model": name,
+                            "balanced": bal[0],
+                            "balanced_s": bal[1],
+                            "even": even[0],
+                            "even_s": even[1],
+                            "best": best[0],
+                            "best_s": best[1],
+                            "balanced_over_best": bal[1] / best[1],
+                            "balanced_over_even": bal[1] / even[1],
+                        }
+                        for name, bal, _default, even, best in rows
+                    ],
+                    indent=1,
+                )
+            )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    launch(main)
