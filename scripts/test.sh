@@ -17,6 +17,9 @@ cmake --build build/asan
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
   ctest --test-dir build/asan --output-on-failure --timeout 120
 
+echo "== the extension against torch's CUDA build (compiles and links; no GPU here)"
+bash scripts/cuda_build.sh
+
 echo "== fuzzing the schedule validator (libFuzzer, 20 s)"
 cmake -S . -B build/fuzz -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DTORCHMPMD_FUZZ=ON \
   -DTORCHMPMD_BUILD_TESTS=OFF >/dev/null

@@ -80,9 +80,10 @@ void bind_runtime(py::module_ m) {
           "send",
           [](Transport& t, const at::Tensor& tensor, int peer, int64_t tag,
              double timeout_s) {
-            t.isend(tensor.contiguous(), peer, tag)
-                ->wait(std::chrono::milliseconds(
-                    static_cast<int64_t>(timeout_s * 1000)));
+            const at::Tensor data = tensor.contiguous();
+            wait_on_host(*t.isend(data, peer, tag), data,
+                         std::chrono::milliseconds(
+                             static_cast<int64_t>(timeout_s * 1000)));
           },
           "Sends and waits for completion (blocks, without the GIL).",
           py::arg("tensor"), py::arg("peer"), py::arg("tag"),
@@ -91,9 +92,9 @@ void bind_runtime(py::module_ m) {
           "recv",
           [](Transport& t, const at::Tensor& tensor, int peer, int64_t tag,
              double timeout_s) {
-            t.irecv(tensor, peer, tag)
-                ->wait(std::chrono::milliseconds(
-                    static_cast<int64_t>(timeout_s * 1000)));
+            wait_on_host(*t.irecv(tensor, peer, tag), tensor,
+                         std::chrono::milliseconds(
+                             static_cast<int64_t>(timeout_s * 1000)));
           },
           "Receives into a contiguous tensor (blocks, without the GIL).",
           py::arg("tensor"), py::arg("peer"), py::arg("tag"),

@@ -1,13 +1,18 @@
 #include "runtime/executor.h"
 
 #include <ATen/Context.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
+#include <deque>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <sstream>
+#include <thread>
 
 namespace torchmpmd::runtime {
 
@@ -49,6 +54,50 @@ std::string message_of(const std::exception& e) {
   return e.what();
 }
 
+// Task times on a device (CUDA): events recorded on the current stream
+// around each task, read once at the end of the step. On a device the host
+// only queues work (receives are stream waits), so host clocks would time
+// the queueing, not the work.
+class DeviceTimer {
+ public:
+  explicit DeviceTimer(at::Device device)
+      : device_(device), impl_(device.type()) {
+    start_ = mark();
+  }
+
+  size_t mark() {
+    marks_.emplace_back(device_.type(), c10::EventFlag::BACKEND_DEFAULT);
+    marks_.back().record(impl_.getStream(device_));
+    return marks_.size() - 1;
+  }
+
+  // Waits (on the host, polling) until the device reached the last mark,
+  // at most until `deadline`; false if it did not. `stop` is called while
+  // waiting and may throw (an abort).
+  template <typename Stop>
+  bool reached_end(Clock::time_point deadline, Stop stop) const {
+    auto pause = std::chrono::microseconds(10);
+    while (!marks_.back().query()) {
+      stop();
+      if (Clock::now() >= deadline) return false;
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::microseconds(1000));
+    }
+    return true;
+  }
+
+  // Nanoseconds from the step's start to mark `i` (the device reached it).
+  int64_t ns(size_t i) const {
+    return static_cast<int64_t>(marks_[start_].elapsedTime(marks_[i]) * 1e6);
+  }
+
+ private:
+  at::Device device_;
+  c10::impl::VirtualGuardImpl impl_;
+  std::deque<c10::Event> marks_;  // c10::Event is not copyable
+  size_t start_ = 0;
+};
+
 }  // namespace
 
 struct Executor::State {
@@ -84,6 +133,9 @@ struct Executor::State {
   int32_t early_outstanding = 0;
   Clock::time_point t0;
   const StageFunctions* fns = nullptr;  // this step's stage callables
+  // On a device: the marks around each record's task (start, end).
+  std::optional<DeviceTimer> device;
+  std::vector<std::pair<size_t, size_t>> device_marks;
 };
 
 Executor::Executor(int32_t rank, const schedule::Program& program,
@@ -663,6 +715,7 @@ void Executor::execute(size_t pc, State& st) {
     reduce_tied(ins, st);
     return;
   }
+  const size_t device_start = st.device ? st.device->mark() : 0;
   try {
     (this->*task_fn(ins.task.kind))(ins.task, st);
   } catch (const ExecutorError&) {
@@ -673,6 +726,7 @@ void Executor::execute(size_t pc, State& st) {
                         " failed: " + message_of(e));
   }
   const auto end = Clock::now();
+  if (st.device) st.device_marks.emplace_back(device_start, st.device->mark());
   records_.push_back(
       {ins.task,
        std::chrono::duration_cast<std::chrono::nanoseconds>(start - st.t0)
@@ -681,6 +735,33 @@ void Executor::execute(size_t pc, State& st) {
            .count(),
        std::chrono::duration_cast<std::chrono::nanoseconds>(start - wait_start)
            .count()});
+}
+
+void Executor::finish_on_device(State& st) {
+  // Receives were stream waits: a dead peer shows as device work that never
+  // ends. Bound it by the timeout (and any abort) before reading the times.
+  const auto deadline = Clock::now() + options_.timeout;
+  const bool done = st.device->reached_end(deadline, [this] {
+    if (auto reason = transport_->abort_reason()) {
+      throw ExecutorError(c10::str("torchmpmd: rank ", rank_,
+                                   " stopped waiting for its device work, "
+                                   "because ",
+                                   *reason));
+    }
+  });
+  if (!done) {
+    throw ExecutorError(c10::str(
+        "torchmpmd: rank ", rank_, " timed out after ",
+        seconds(options_.timeout), " waiting for the step's ", options_.device,
+        " work to finish (", transport_->name(),
+        "): a peer may have died or be stuck; its transfers are still queued "
+        "on the device, so restart the job"));
+  }
+  for (size_t i = 0; i < records_.size(); ++i) {
+    const auto& [first, last] = st.device_marks.at(i);
+    records_[i].start_ns = st.device->ns(first);
+    records_[i].end_ns = st.device->ns(last);
+  }
 }
 
 void Executor::run(const StageFunctions& functions) {
@@ -698,6 +779,10 @@ void Executor::run(const StageFunctions& functions) {
                             std::chrono::system_clock::now().time_since_epoch())
                             .count();
   records_.clear();
+  if (options_.device.type() != at::kCPU &&
+      options_.device.type() != at::kMeta) {
+    st.device.emplace(options_.device);
+  }
   // Tied parameters start the step without their earlier gradient; a step
   // that fails before its sum gives it back under what it accumulated.
   for (const int32_t id : reduced_tied_) {
@@ -734,6 +819,7 @@ void Executor::run(const StageFunctions& functions) {
       }
     }
     reap_sends(st, /*all=*/true);
+    if (st.device) finish_on_device(st);
   } catch (const ExecutorError& e) {
     throw PipelineError(e.what());
   } catch (const TransportError& e) {  // posting a send or receive

@@ -98,7 +98,8 @@ struct ExecutorOptions {
   at::Device device = at::kCPU;
 };
 
-// A task as it ran: nanoseconds since the step started.
+// A task as it ran: nanoseconds since the step started (on a device, as
+// the device ran it, from events recorded around the task on its stream).
 struct TaskRecord {
   schedule::Task task;
   int64_t start_ns = 0;
@@ -138,6 +139,9 @@ class Executor {
   void post_recv(size_t index, State& st);
   void wait_recv(size_t index, State& st, const schedule::Instruction& user);
   void reap_sends(State& st, bool all);
+  // Device runs: waits (bounded) for the step's queued work, then takes the
+  // task times from the device's events.
+  void finish_on_device(State& st);
   void forward(const schedule::Task& task, State& st);
   void recompute(const schedule::Task& task, State& st);
   // Runs the stage's callable on `inputs`; with `keep`, keeps what its

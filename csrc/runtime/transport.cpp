@@ -66,9 +66,11 @@ std::string describe_exception(const std::exception_ptr& e) {
 }
 
 // A c10d Work. CPU (Gloo) works block on a condition variable inside
-// wait(), which abort() interrupts (Work::abort); device (NCCL) works only
-// order streams in wait(), so they are polled for completion against our
-// deadline and the abort flag instead.
+// wait(), which abort() interrupts (Work::abort). Device (NCCL) works are
+// stream-ordered: wait() makes the current stream wait for the transfer and
+// returns at once, so the host keeps queueing work ahead of the data; the
+// executor bounds the step's device work by its timeout at the end of the
+// step (Executor::finish_on_device), and wait_on_host() polls test().
 class C10dRequest : public Request, public Interruptible {
  public:
   C10dRequest(c10::intrusive_ptr<c10d::Work> work, at::Tensor tensor,
@@ -120,16 +122,13 @@ class C10dRequest : public Request, public Interruptible {
       done_ = true;
       return;
     }
-    auto pause = std::chrono::microseconds(1);
-    while (!work_->isCompleted()) {
+    try {
+      work_->wait();  // the current stream waits; the host does not
+    } catch (const std::exception& e) {
       abort_->check();
-      if (Clock::now() - start >= timeout) {
-        throw TransportError("no progress before the timeout", Kind::kTimedOut);
-      }
-      std::this_thread::sleep_for(pause);
-      pause = std::min(pause * 2, std::chrono::microseconds(500));
+      throw TransportError(e.what(), Kind::kFailed);
     }
-    finish();
+    done_ = true;
   }
 
  private:
@@ -378,6 +377,23 @@ std::unique_ptr<Request> LocalTransport::irecv(const at::Tensor& tensor,
                                                int peer, int64_t tag) {
   return std::make_unique<LocalRecv>(world_, LocalWorld::Key{peer, rank_, tag},
                                      tensor);
+}
+
+void wait_on_host(Request& request, const at::Tensor& tensor,
+                  std::chrono::milliseconds timeout) {
+  if (tensor.is_cpu()) {
+    request.wait(timeout);
+    return;
+  }
+  const auto deadline = Clock::now() + timeout;
+  auto pause = std::chrono::microseconds(1);
+  while (!request.test()) {
+    if (Clock::now() >= deadline) {
+      throw TransportError("no progress before the timeout", Kind::kTimedOut);
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(500));
+  }
 }
 
 LocalWorld::LocalWorld(int size) : size_(size) {

@@ -72,9 +72,15 @@ class Request {
   // Non-blocking: true once complete. Throws TransportError if it failed.
   virtual bool test() = 0;
   // Blocks until complete or `timeout` passes; throws TransportError on
-  // failure or timeout.
+  // failure or timeout. On a device (NCCL) it is stream-ordered instead:
+  // the current stream waits for the operation, the host returns at once.
   virtual void wait(std::chrono::milliseconds timeout) = 0;
 };
+
+// Blocks the host until `request` (an operation on `tensor`) completed,
+// also on a device, where Request::wait only orders the current stream.
+void wait_on_host(Request& request, const at::Tensor& tensor,
+                  std::chrono::milliseconds timeout);
 
 class Transport {
  public:
