@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import statistics
 import sys
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 from gpt import GPT, GPTConfig, split_points  # noqa: E402
+from launch import launch  # noqa: E402
 
 import torchmpmd as mpmd  # noqa: E402
 
@@ -44,6 +46,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--json", type=Path, default=None, help="also write the table here")
     return p.parse_args()
 
 
@@ -127,13 +130,23 @@ def main() -> None:
                 f"{theirs_t / ours_t:6.2f}x  {lo:.5f} / {lt:.5f}"
             )
         print("ratio = pipelining time / torchmpmd time (above 1: torchmpmd is faster)")
+        if args.json is not None:
+            args.json.write_text(
+                json.dumps(
+                    [
+                        {
+                            "schedule": name,
+                            "torchmpmd_s": ours_t,
+                            "pipelining_s": theirs_t,
+                            "torchmpmd_over_pipelining": ours_t / theirs_t,
+                        }
+                        for name, ours_t, theirs_t, _lo, _lt in rows
+                    ],
+                    indent=1,
+                )
+            )
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    if "RANK" not in os.environ:
-        from torch.distributed.run import main as torchrun
-
-        torchrun(["--standalone", "--nproc_per_node=2", __file__, *sys.argv[1:]])
-    else:
-        main()
+    launch(main)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 from gpt import GPT, GPTConfig, split_points  # noqa: E402
+from launch import launch  # noqa: E402
 
 import torchmpmd as mpmd  # noqa: E402
 
@@ -59,6 +60,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="a PNG of the last measured step of --plot-schedule over its prediction",
+    )
+    p.add_argument("--plot-schedule", default="1F1B")
     return p.parse_args()
 
 
@@ -163,6 +171,20 @@ def main() -> None:
                     )
                 f_ratio = split["ZB-H1"].get(f"F{s}", 0.0) / split["1F1B"].get(f"F{s}", 1.0)
                 print(f"  stage {s}: F (ZB-H1) / F (1F1B) = {f_ratio:.3f}")
+        if args.plot is not None and args.plot_schedule in runners:
+            name = args.plot_schedule
+            program = runners[name].program
+            costs = mpmd.Costs.from_timeline(
+                mpmd.Timeline.merge(timelines[name]), program.num_stages
+            )
+            mpmd.viz.plot(
+                [timelines[name][-1], program.simulate(costs)],
+                args.plot,
+                titles=[
+                    f"{name}, measured (2 Gloo ranks)",
+                    f"{name}, simulated with the costs measured in the same run",
+                ],
+            )
         if args.json is not None:
             args.json.write_text(
                 json.dumps({"config": vars(args) | {"json": None}, "rows": rows}, indent=1)
@@ -171,9 +193,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if "RANK" not in os.environ:
-        from torch.distributed.run import main as torchrun
-
-        torchrun(["--standalone", "--nproc_per_node=2", __file__, *sys.argv[1:]])
-    else:
-        main()
+    launch(main)

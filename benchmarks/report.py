@@ -1,0 +1,135 @@
+"""Gathers the JSON that benchmarks/run.sh's benchmarks wrote into one table
+(markdown, printed and saved as table.md) and one results.json, with each
+issue target marked met or missed.
+
+    python benchmarks/report.py out/benchmarks
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _load(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _mark(ok: bool) -> str:
+    return "met" if ok else "missed"
+
+
+def schedule_tables(data: dict[str, Any]) -> list[str]:
+    rows = {r["schedule"]: r for r in data["rows"]}
+    cfg = data["config"]
+    out = [
+        f"### Schedules (GPT {cfg['layers']}x{cfg['dim']}, 2 Gloo ranks, {cfg['microbatches']} "
+        f"microbatches of {cfg['microbatch_size']}x{cfg['seq_len']}, medians of {cfg['steps']} rounds)",
+        "",
+        "| schedule | stages | step | / 1F1B | measured / simulated |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in data["rows"]:
+        out.append(
+            f"| {r['schedule']} | {r['stages']} | {r['step_s'] * 1e3:.1f} ms | "
+            f"{r['over_1f1b']:.3f} | {r['measured_over_simulated']:.3f} |"
+        )
+
+    def step(name: str) -> float | None:
+        return rows[name]["step_s"] if name in rows else None
+
+    targets = [
+        ("1F1B <= 1.03 x GPipe", "1F1B", "GPipe", 1.03),
+        ("ZB-H1 <= 1F1B", "ZB-H1", "1F1B", 1.0),
+        ("ZBV <= Interleaved1F1B", "ZBV", "Interleaved1F1B", 1.0),
+        ("DualPipeV <= Interleaved1F1B", "DualPipeV", "Interleaved1F1B", 1.0),
+        ("Interleaved1F1B <= 1.05 x 1F1B", "Interleaved1F1B", "1F1B", 1.05),
+    ]
+    out += ["", "| target | ratio | |", "| --- | ---: | --- |"]
+    for label, a, b, limit in targets:
+        sa, sb = step(a), step(b)
+        if sa is not None and sb is not None:
+            out.append(f"| {label} | {sa / sb:.3f} | {_mark(sa / sb <= limit)} |")
+    worst = max(data["rows"], key=lambda r: r["measured_over_simulated"])
+    out.append(
+        f"| measured / simulated <= 1.05, every schedule | {worst['measured_over_simulated']:.3f} "
+        f"({worst['schedule']}) | {_mark(worst['measured_over_simulated'] <= 1.05)} |"
+    )
+    return out
+
+
+def pipelining_table(parts: list[tuple[str, Any]]) -> list[str]:
+    out = [
+        "### torchmpmd vs torch.distributed.pipelining (same model, split, schedule)",
+        "",
+        "| model | schedule | torchmpmd | pipelining | torchmpmd / pipelining |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
+    for label, rows in parts:
+        for r in rows or []:
+            out.append(
+                f"| {label} | {r['schedule']} | {r['torchmpmd_s'] * 1e3:.1f} ms | "
+                f"{r['pipelining_s'] * 1e3:.1f} ms | {r['torchmpmd_over_pipelining']:.2f} |"
+            )
+    return out
+
+
+def balance_table(rows: list[dict[str, Any]]) -> list[str]:
+    out = [
+        "### Automatic balancing (2 stages, 1F1B): the chosen split against every split",
+        "",
+        "| model | balanced | even | best measured | balanced / best | balanced / even |",
+        "| --- | --- | --- | --- | ---: | ---: |",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['model']} | {r['balanced']} | {r['even']} | {r['best']} | "
+            f"{r['balanced_over_best']:.3f} ({_mark(r['balanced_over_best'] <= 1.05)}) | "
+            f"{r['balanced_over_even']:.3f} ({_mark(r['balanced_over_even'] <= 1.0)}) |"
+        )
+    return out
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else "out/benchmarks")
+    schedules = _load(out_dir / "schedules.json")
+    pipelining = _load(out_dir / "pipelining.json")
+    pipelining_gpt = _load(out_dir / "pipelining_gpt.json")
+    balance = _load(out_dir / "balance.json")
+    split = out_dir / "split_backward.txt"
+    lines = [
+        f"Machine: {platform.processor() or platform.machine()}, "
+        f"{__import__('os').cpu_count()} cores, Python {platform.python_version()}, "
+        f"torch {__import__('torch').__version__}",
+        "",
+    ]
+    if schedules:
+        lines += [*schedule_tables(schedules), ""]
+    if pipelining or pipelining_gpt:
+        lines += [*pipelining_table([("GPT 8x128", pipelining), ("GPT 4x192", pipelining_gpt)]), ""]
+    if balance:
+        lines += [*balance_table(balance), ""]
+    if split.exists():
+        lines += ["### I + W against B (one split stage, isolated)", "", "```"]
+        lines += [*split.read_text().strip().splitlines(), "```", ""]
+    text = "\n".join(lines)
+    (out_dir / "table.md").write_text(text)
+    (out_dir / "results.json").write_text(
+        json.dumps(
+            {
+                "schedules": schedules,
+                "pipelining": pipelining,
+                "pipelining_gpt": pipelining_gpt,
+                "balance": balance,
+            },
+            indent=1,
+        )
+    )
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Every CPU benchmark in one go (about 10 minutes on 2 cores), side by side
+# with torch.distributed.pipelining where it runs the same job. Writes
+# $OUT/results.json, $OUT/table.md and $OUT/timeline.png (default OUT:
+# out/benchmarks) and prints the table. Run on a quiet machine: every figure
+# is a ratio of runs taken in turns, but two ranks need both cores.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-out/benchmarks}"
+mkdir -p "$OUT"
+[ -z "${VIRTUAL_ENV:-}" ] && [ -f .venv/bin/activate ] && . .venv/bin/activate
+export OMP_NUM_THREADS=1
+quiet() { grep -v -e "Warning" -e "^W[0-9]" -e "^\*\*\*" -e "OMP_NUM_THREADS" || true; }
+
+echo "== schedules: every built-in schedule on the bundled GPT (2 ranks)"
+python benchmarks/schedules.py --json "$OUT/schedules.json" --plot "$OUT/timeline.png" 2>&1 | quiet
+echo "== torchmpmd vs torch.distributed.pipelining (2 ranks)"
+python benchmarks/compare_pipelining.py --json "$OUT/pipelining.json" 2>&1 | quiet
+python benchmarks/compare_pipelining.py --layers 4 --dim 192 --json "$OUT/pipelining_gpt.json" 2>&1 | quiet
+echo "== automatic balancing vs every split (2 ranks)"
+python benchmarks/balance.py --rounds 9 --json "$OUT/balance.json" 2>&1 | quiet
+echo "== I + W against B, one stage"
+python benchmarks/split_backward.py 2>&1 | quiet | tee "$OUT/split_backward.txt"
+python benchmarks/report.py "$OUT"
