@@ -18,7 +18,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$CUDA_TORCH_VERSION' or torch.version.cuda is None)" 2>/dev/null; then
   echo "cuda_build: installing torch==$CUDA_TORCH_VERSION (CUDA build, from this machine's disk)"
-  "$VENV/bin/python" -m pip install -q "torch==$CUDA_TORCH_VERSION" ninja setuptools 2>&1 | grep -v "is ignored" || true
+  "$VENV/bin/python" -m pip install -q "torch==$CUDA_TORCH_VERSION" numpy ninja setuptools 2>&1 | grep -v "is ignored" || true
 fi
 "$VENV/bin/python" -c "import torch; print('cuda_build: torch', torch.__version__, 'CUDA', torch.version.cuda)"
 # Out of tree: the CPU build in torchmpmd/ stays as it is.

@@ -298,14 +298,20 @@ void Executor::post_recv(size_t index, State& st) {
 }
 
 void Executor::post_early(size_t pc, State& st) {
-  std::set<int32_t> blocked;  // peers with an earlier message not yet issued
+  // Peers with an earlier message not yet issued: on a pair-ordered
+  // transport (NCCL) a receive waits behind them; Gloo matches by tag, so a
+  // receive is posted as early as the budget allows, and the sender's data
+  // goes out as soon as it is sent instead of a round trip after the
+  // receiver gets to it.
+  const bool ordered = transport_->pair_ordered();
+  std::set<int32_t> blocked;
   const size_t end = std::min(code_.size(), pc + 256);
   for (size_t j = pc; j < end; ++j) {
     if (st.early_outstanding >= options_.max_early_recvs) return;
     const Instruction& ins = code_[j];
     if (ins.op != Op::kSend && ins.op != Op::kRecv) continue;
     if (st.issued[j]) continue;
-    if (ins.op == Op::kRecv && !blocked.count(ins.peer)) {
+    if (ins.op == Op::kRecv && !(ordered && blocked.count(ins.peer))) {
       post_recv(j, st);
       st.recvs.at(j).early = true;
       ++st.early_outstanding;

@@ -1,13 +1,15 @@
 // The executor: runs one rank's lowered program for one step.
 //
 // Contract. run() executes the rank's instructions in order. Receives are
-// posted ahead of need (at most `max_early_recvs` at a time, never ahead of
-// an earlier unsent message to the same peer, so the pair order the lowering
-// fixed is kept) and waited on only when a task reads them: a receive never
-// blocks compute that does not depend on it. Sends start right after the
-// producing task and complete in the background. Forward calls the stage's
-// callable (which takes the GIL itself); backward runs through autograd with
-// no Python involved. Activations, received tensors and gradients live in
+// posted ahead of need (at most `max_early_recvs` at a time; on a
+// pair-ordered transport (NCCL) never ahead of an earlier unsent message to
+// the same peer, so the pair order the lowering fixed is kept; Gloo matches
+// by tag, so there a receive is posted before the sender gets to its send
+// and the data moves at once) and waited on only when a task reads them: a
+// receive never blocks compute that does not depend on it. Sends start right
+// after the producing task and complete in the background. Forward calls the
+// stage's callable (which takes the GIL itself); backward runs through autograd
+// with no Python involved. Activations, received tensors and gradients live in
 // stores keyed by (value or stage, microbatch) and are freed at their last
 // use; nothing survives into the next step. Every wait has the timeout of
 // the options and fails with an error that names this rank, the peer, the

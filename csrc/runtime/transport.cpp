@@ -258,6 +258,7 @@ void C10dTransport::fail(const std::string& reason) {
 int C10dTransport::rank() const { return group_->getRank(); }
 int C10dTransport::size() const { return group_->getSize(); }
 std::string C10dTransport::name() const { return group_->getBackendName(); }
+bool C10dTransport::pair_ordered() const { return name() != "gloo"; }
 
 std::unique_ptr<Request> C10dTransport::isend(const at::Tensor& tensor,
                                               int peer, int64_t tag) {

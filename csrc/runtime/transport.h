@@ -98,6 +98,11 @@ class Transport {
   virtual std::unique_ptr<Request> irecv(const at::Tensor& tensor, int peer,
                                          int64_t tag) = 0;
   virtual std::string name() const = 0;
+  // Whether operations between two ranks must be issued in the same order
+  // on both ends (NCCL), rather than matched by tag whatever the order
+  // (Gloo, in-process). Only then does the executor hold a receive back
+  // behind an earlier send to the same peer.
+  virtual bool pair_ordered() const { return false; }
 
   // Failure handling (thread-safe). abort() makes every wait of this
   // transport, pending or later, fail at once with a TransportError of kind
@@ -142,6 +147,7 @@ class C10dTransport : public Transport {
   std::unique_ptr<Request> irecv(const at::Tensor& tensor, int peer,
                                  int64_t tag) override;
   std::string name() const override;
+  bool pair_ordered() const override;
   void fail(const std::string& reason) override;
   void arm() override;
   void disarm() override;
