@@ -35,7 +35,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
-from launch import launch  # noqa: E402
+from launch import launch, measure_link  # noqa: E402
 
 import torchmpmd as mpmd  # noqa: E402
 from torchmpmd.graph.balance import simulate  # noqa: E402
@@ -203,29 +203,6 @@ def predicted(found: mpmd.Balance, split: list[str], link: tuple[float, float]) 
         bandwidth=link[1],
     )
     return timeline.step_time
-
-
-def measure_link(rank: int, repeats: int = 20) -> tuple[float, float]:
-    """Latency (s) and bandwidth (bytes/s) between the two ranks, by ping-pong."""
-    one_way = []
-    for numel in (64, 1 << 20):
-        buf = torch.zeros(numel)
-        samples = []
-        for _ in range(repeats):
-            dist.barrier()
-            t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            else:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-            samples.append((time.perf_counter() - t0) / 2)
-        one_way.append(statistics.median(samples))
-    box: list[Any] = [one_way]
-    dist.broadcast_object_list(box, src=0)
-    small, big = box[0]
-    return small, 4 * (1 << 20) / max(big - small, 1e-9)
 
 
 def run_case(

@@ -189,7 +189,7 @@ def main() -> None:
         )
     if args.json is not None:
         args.json.write_text(
-            json.dumps({"config": vars(args) | {"json": None}, "rows": rows}, indent=1)
+            json.dumps({"config": vars(args), "rows": rows}, indent=1, default=str)
         )
 
 

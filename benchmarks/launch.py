@@ -1,11 +1,18 @@
-"""Shared by the 2-rank benchmarks: run `main` under torchrun when started as a
-plain script (python benchmarks/x.py), or directly when torchrun started it."""
+"""Shared by the 2-rank benchmarks: `launch` runs `main` under torchrun when
+started as a plain script (python benchmarks/x.py), or directly when torchrun
+started it; `measure_link` measures the Gloo link the simulator charges."""
 
 from __future__ import annotations
 
 import os
+import statistics
 import sys
+import time
 from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
 
 
 def launch(main: Callable[[], None], nproc: int = 2) -> None:
@@ -15,3 +22,26 @@ def launch(main: Callable[[], None], nproc: int = 2) -> None:
     from torch.distributed.run import main as torchrun
 
     torchrun(["--standalone", f"--nproc_per_node={nproc}", sys.argv[0], *sys.argv[1:]])
+
+
+def measure_link(rank: int, repeats: int = 20) -> tuple[float, float]:
+    """Latency (s) and bandwidth (bytes/s) between the two ranks, by ping-pong."""
+    one_way = []
+    for numel in (64, 1 << 20):
+        buf = torch.zeros(numel)
+        samples = []
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            else:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+            samples.append((time.perf_counter() - t0) / 2)
+        one_way.append(statistics.median(samples))
+    box: list[Any] = [one_way]
+    dist.broadcast_object_list(box, src=0)
+    small, big = box[0]
+    return small, 4 * (1 << 20) / max(big - small, 1e-9)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 from gpt import GPT, GPTConfig, split_points  # noqa: E402
-from launch import launch  # noqa: E402
+from launch import launch, measure_link  # noqa: E402
 
 import torchmpmd as mpmd  # noqa: E402
 
@@ -91,6 +91,8 @@ def main() -> None:
     y = torch.randint(0, cfg.vocab_size, (m * b, args.seq_len), generator=g)
     example = torch.zeros(b, args.seq_len, dtype=torch.long)
 
+    # The simulator charges each message this link's latency and bandwidth.
+    latency, bandwidth = measure_link(rank)
     names = args.schedules.split(",")
     runners: dict[str, mpmd.PipelineRunner] = {}
     for name in names:
@@ -124,7 +126,9 @@ def main() -> None:
         # The executor's own span (no Python set-up around it), and the
         # simulator's prediction with costs profiled from the same steps.
         span = statistics.median(tl.step_time for tl in timelines[name])
-        costs = mpmd.Costs.from_timeline(mpmd.Timeline.merge(timelines[name]), num_stages)
+        costs = mpmd.Costs.from_timeline(
+            mpmd.Timeline.merge(timelines[name]), num_stages, latency=latency, bandwidth=bandwidth
+        )
         simulated = runner.program.simulate(costs).step_time
         means = stage_means(timelines[name])
         rows.append(
@@ -136,6 +140,8 @@ def main() -> None:
                 "simulated_s": simulated,
                 "measured_over_simulated": span / simulated,
                 "loss": losses[name],
+                "link_latency_s": latency,
+                "link_bandwidth_bytes_per_s": bandwidth,
                 "task_means_s": {f"{k}{s}": v for (s, k), v in sorted(means.items())},
             }
         )
@@ -145,7 +151,9 @@ def main() -> None:
     if rank == 0:
         print(
             f"GPT {args.layers}x{args.dim}, {world} Gloo ranks, {m} microbatches of "
-            f"{b}x{args.seq_len}; medians of {args.steps} rounds after {args.warmup} warm-up"
+            f"{b}x{args.seq_len}; medians of {args.steps} rounds after {args.warmup} warm-up; "
+            f"simulated with the measured costs and link ({latency * 1e6:.0f} us, "
+            f"{bandwidth / 1e9:.2f} GB/s)"
         )
         print(
             f"{'schedule':16} {'stages':>6} {'step':>9} {'/1F1B':>6} {'span':>9} "
@@ -175,7 +183,10 @@ def main() -> None:
             name = args.plot_schedule
             program = runners[name].program
             costs = mpmd.Costs.from_timeline(
-                mpmd.Timeline.merge(timelines[name]), program.num_stages
+                mpmd.Timeline.merge(timelines[name]),
+                program.num_stages,
+                latency=latency,
+                bandwidth=bandwidth,
             )
             mpmd.viz.plot(
                 [timelines[name][-1], program.simulate(costs)],
@@ -187,7 +198,7 @@ def main() -> None:
             )
         if args.json is not None:
             args.json.write_text(
-                json.dumps({"config": vars(args) | {"json": None}, "rows": rows}, indent=1)
+                json.dumps({"config": vars(args), "rows": rows}, indent=1, default=str)
             )
     dist.destroy_process_group()
 
