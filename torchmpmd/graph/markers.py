@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
-from collections.abc import Iterator
-from typing import TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 import torch.utils._pytree as pytree
@@ -19,6 +20,22 @@ _state = threading.local()
 # torch.export and make_fx patch process-wide state while they trace: ranks
 # running as threads of one process (mpmd.testing) take turns.
 TRACE_LOCK = threading.RLock()
+
+
+def compiled(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., Any]:
+    """`torch.compile(fn, **options)`, called under TRACE_LOCK: while one
+    thread FX-traces (make_fx sets a process-wide flag), dynamo refuses to
+    run an optimized function in any other thread ("using FX to
+    symbolically trace a dynamo-optimized function"). Uncontended (one rank
+    per process) the lock costs nothing measurable."""
+    optimized = torch.compile(fn, **options)
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with TRACE_LOCK:
+            return optimized(*args, **kwargs)
+
+    return call
 
 
 @torch.library.custom_op("torchmpmd::stage_end", mutates_args=())

@@ -29,7 +29,7 @@ import torch.utils._pytree as pytree
 from torch.func import functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .markers import TRACE_LOCK
+from .markers import TRACE_LOCK, compiled
 from .pipe import static_numel
 
 __all__: list[str] = []
@@ -355,9 +355,9 @@ class SplitStage:
         self._input_grad: Callable[..., Any] = self.joint.input_grad
         self._weight_grad: Callable[..., Any] = self.joint.weight_grad
         if compile_options is not None:
-            self._forward = torch.compile(self._forward, **compile_options)
-            self._input_grad = torch.compile(self._input_grad, **compile_options)
-            self._weight_grad = torch.compile(self._weight_grad, **compile_options)
+            self._forward = compiled(self._forward, compile_options)
+            self._input_grad = compiled(self._input_grad, compile_options)
+            self._weight_grad = compiled(self._weight_grad, compile_options)
 
     def _state(self) -> list[torch.Tensor]:
         return [p.detach() for p in self._params] + list(self._buffers)

@@ -18,6 +18,7 @@ import torch
 import torch.utils.checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from ..graph.markers import compiled
 from ..graph.pipe import Pipe
 from ..graph.split import SELECTIVE_KEPT_OPS, SplitStage
 from .autograd_split import AutogradSplit
@@ -82,7 +83,7 @@ class LocalStages:
         # What forward calls: the stage's GraphModule, or its compiled form
         # (the module itself keeps the parameters under the model's names).
         self._calls: dict[int, Callable[..., Any]] = {
-            s: torch.compile(m, **self.compile_options)
+            s: compiled(m, self.compile_options)
             if self.compile_options is not None and s not in split
             else m
             for s, m in self.modules.items()
