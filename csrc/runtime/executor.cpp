@@ -12,7 +12,6 @@
 #include <optional>
 #include <set>
 #include <sstream>
-#include <thread>
 
 namespace torchmpmd::runtime {
 
@@ -76,14 +75,13 @@ class DeviceTimer {
   // waiting and may throw (an abort).
   template <typename Stop>
   bool reached_end(Clock::time_point deadline, Stop stop) const {
-    auto pause = std::chrono::microseconds(10);
-    while (!marks_.back().query()) {
-      stop();
-      if (Clock::now() >= deadline) return false;
-      std::this_thread::sleep_for(pause);
-      pause = std::min(pause * 2, std::chrono::microseconds(1000));
-    }
-    return true;
+    return poll_until(
+        [&] {
+          if (marks_.back().query()) return true;
+          stop();
+          return false;
+        },
+        deadline);
   }
 
   // Nanoseconds from the step's start to mark `i` (the device reached it).

@@ -386,14 +386,8 @@ void wait_on_host(Request& request, const at::Tensor& tensor,
     request.wait(timeout);
     return;
   }
-  const auto deadline = Clock::now() + timeout;
-  auto pause = std::chrono::microseconds(1);
-  while (!request.test()) {
-    if (Clock::now() >= deadline) {
-      throw TransportError("no progress before the timeout", Kind::kTimedOut);
-    }
-    std::this_thread::sleep_for(pause);
-    pause = std::min(pause * 2, std::chrono::microseconds(500));
+  if (!poll_until([&] { return request.test(); }, Clock::now() + timeout)) {
+    throw TransportError("no progress before the timeout", Kind::kTimedOut);
   }
 }
 

@@ -9,6 +9,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -20,6 +21,7 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -76,6 +78,21 @@ class Request {
   // the current stream waits for the operation, the host returns at once.
   virtual void wait(std::chrono::milliseconds timeout) = 0;
 };
+
+// Calls `done` with a growing pause between calls (1 us doubling to
+// 500 us) until it returns true (then true) or `deadline` passes (then
+// false). For host waits on device work, which has no blocking wait with
+// a timeout.
+template <typename Done>
+bool poll_until(Done done, std::chrono::steady_clock::time_point deadline) {
+  auto pause = std::chrono::microseconds(1);
+  while (!done()) {
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(500));
+  }
+  return true;
+}
 
 // Blocks the host until `request` (an operation on `tensor`) completed,
 // also on a device, where Request::wait only orders the current stream.

@@ -100,17 +100,16 @@ def check_in(
     hashes = [_hash(t) for t in texts]
     mine = torch.tensor([[call, _KINDS.index(kind), *hashes]], dtype=torch.int64)
     rows = [r.reshape(-1).tolist() for r in all_gather(transport, mine, timeout)]
-    if texts is not None:
-        for i, field in enumerate(FIELDS):
-            differ = [r for r, row in enumerate(rows) if row[2 + i] != rows[0][2 + i]]
-            if differ:
-                detail = f" (this rank: {texts[i]})" if len(texts[i]) <= 80 else ""
-                raise RuntimeError(
-                    f"torchmpmd: rank {me}: the runners were not given the same job: the "
-                    f"{field} of rank(s) {differ} differs from rank 0's{detail}. Every rank "
-                    "must trace the same model with the same split and run the same schedule, "
-                    "torch and torchmpmd"
-                )
+    for i, field in enumerate(FIELDS):
+        differ = [r for r, row in enumerate(rows) if row[2 + i] != rows[0][2 + i]]
+        if differ:
+            detail = f" (this rank: {texts[i]})" if len(texts[i]) <= 80 else ""
+            raise RuntimeError(
+                f"torchmpmd: rank {me}: the runners were not given the same job: the "
+                f"{field} of rank(s) {differ} differs from rank 0's{detail}. Every rank "
+                "must trace the same model with the same split and run the same schedule, "
+                "torch and torchmpmd"
+            )
     for r, row in enumerate(rows):
         _same_call(me, call, kind, r, row[:2])
 

@@ -17,7 +17,7 @@ import torch
 
 from ..graph.pipe import Pipe
 from ..schedule.task import Schedule
-from .runner import PipelineRunner, StepOutput
+from .runner import PipelineRunner, StepOutput, require_pipe
 from .transport import LocalWorld
 
 __all__ = ["LocalPipeline"]
@@ -29,11 +29,7 @@ class LocalPipeline:
     def __init__(
         self, pipe: Pipe, schedule: Schedule, num_ranks: int, **runner_kwargs: Any
     ) -> None:
-        if not isinstance(pipe, Pipe):
-            raise TypeError(
-                f"LocalPipeline needs an mpmd.Pipe, got {type(pipe).__name__}; make one with "
-                "mpmd.trace(model, example_args, split_before=[...])"
-            )
+        require_pipe(pipe, "LocalPipeline")
         self.world = LocalWorld(num_ranks)
         self.pipes = [pipe.replicate() for _ in range(num_ranks)]
         self.runners = [

@@ -91,11 +91,7 @@ class PipelineRunner:
         parallelize: Parallelize | None = None,
         bucket_bytes: int = 25 * 2**20,
     ) -> None:
-        if not isinstance(pipe, Pipe):
-            raise TypeError(
-                f"PipelineRunner needs an mpmd.Pipe, got {type(pipe).__name__}; make one with "
-                "mpmd.trace(model, example_args, split_before=[...])"
-            )
+        require_pipe(pipe, "PipelineRunner")
         _check_options(timeout, compile, max_early_recvs)
         dp_group: dist.ProcessGroup | None = None
         if mesh is not None:
@@ -301,29 +297,30 @@ class PipelineRunner:
         self._transport.arm()
         try:
             yield
-        except TransportError as err:
-            # A wait outside the executor (the check-in, results shared at
-            # the end): give it this rank's context, as the executor does.
-            reason = self._transport.abort_reason
-            if reason is not None and str(err) == reason:
-                text = f"torchmpmd: rank {self.rank} stopped {call}, because {reason}"
-            else:
-                text = (
-                    f"torchmpmd: rank {self.rank} failed in {call} while exchanging the call "
-                    f"check-in or the step's results with its peers ({self._transport.name}): "
-                    f"{err}. A peer may have died or be stuck; if it is only slow, raise the "
-                    f"timeout ({self._timeout:g} s)"
-                )
-            self.failed_first = reason is None
-            self._transport.fail(f"rank {self.rank} failed in {call}: {text}")
-            raise PipelineError(text) from err
         except BaseException as err:
+            reason = self._transport.abort_reason
             # First to fail, or failing because a peer did?
-            self.failed_first = self._transport.abort_reason is None
-            self._transport.fail(f"rank {self.rank} failed in {call}: {_first_line(err)}")
-            raise
+            self.failed_first = reason is None
+            if not isinstance(err, TransportError):
+                self._transport.fail(f"rank {self.rank} failed in {call}: {_first_line(err)}")
+                raise
+            failed = PipelineError(self._outside_executor(call, err, reason))
+            self._transport.fail(f"rank {self.rank} failed in {call}: {failed}")
+            raise failed from err
         finally:
             self._transport.disarm()
+
+    def _outside_executor(self, call: str, err: Exception, reason: str | None) -> str:
+        """A failed wait outside the executor (the check-in, results shared at
+        the end of a step), with this rank's context, as the executor gives."""
+        if reason is not None and str(err) == reason:
+            return f"torchmpmd: rank {self.rank} stopped {call}, because {reason}"
+        return (
+            f"torchmpmd: rank {self.rank} failed in {call} while exchanging the call "
+            f"check-in or the step's results with its peers ({self._transport.name}): "
+            f"{err}. A peer may have died or be stuck; if it is only slow, raise the "
+            f"timeout ({self._timeout:g} s)"
+        )
 
     def _refuse_if_failed(self) -> None:
         """A runner whose exchange failed (here or on a peer) is not reused."""
@@ -635,6 +632,15 @@ _GRADS_NOTE = (
     ". The gradients (.grad) now hold the part of this step that finished before the failure: "
     "zero them (optimizer.zero_grad()) before the next step"
 )
+
+
+def require_pipe(pipe: object, who: str) -> None:
+    """`who` runs an mpmd.Pipe, not a model or anything else."""
+    if not isinstance(pipe, Pipe):
+        raise TypeError(
+            f"{who} needs an mpmd.Pipe, got {type(pipe).__name__}; make one with "
+            "mpmd.trace(model, example_args, split_before=[...])"
+        )
 
 
 def _first_line(err: BaseException) -> str:
