@@ -1,6 +1,8 @@
 """Every built-in schedule on the bundled GPT, side by side in one run on 2 Gloo
 ranks: median step time, each schedule's ratio to 1F1B, measured / simulated
-step (costs profiled from the same run), and I + W against B per stage.
+step (costs profiled from the same run), I + W against B per stage, and each
+rank's peak activation memory, measured from the allocator against the
+simulator's prediction.
 
     python benchmarks/schedules.py                 # launches 2 ranks itself
     python benchmarks/schedules.py --json out.json
@@ -103,13 +105,15 @@ def main() -> None:
     # The simulator charges each message this link's latency and bandwidth.
     latency, bandwidth = measure_link(rank)
     names = args.schedules.split(",")
-    runners: dict[str, mpmd.PipelineRunner] = {}
-    for name in names:
+
+    def runner_for(name: str, **options: Any) -> mpmd.PipelineRunner:
         cls, per_rank = SCHEDULES[name]
         torch.manual_seed(0)
         model = GPT(cfg)
         pipe = mpmd.trace(model, (example,), split_before=split_points(cfg, world * per_rank))
-        runners[name] = mpmd.PipelineRunner(pipe, cls(m), loss_fn=lm_loss)
+        return mpmd.PipelineRunner(pipe, cls(m), loss_fn=lm_loss, **options)
+
+    runners = {name: runner_for(name) for name in names}
 
     times: dict[str, list[float]] = defaultdict(list)
     timelines: dict[str, list[mpmd.Timeline]] = defaultdict(list)
@@ -126,6 +130,20 @@ def main() -> None:
             if i >= args.warmup:
                 times[name].append(elapsed)
                 timelines[name].append(runner.gather_timeline())
+
+    # Memory, apart from the timed runners (measuring costs a lock per
+    # allocation): one measured step after a warm-up, per schedule.
+    memory: dict[str, tuple[list[int], list[int]]] = {}
+    for name in names:
+        runner = runner_for(name, measure_memory=True)
+        for _ in range(2):
+            runner.step(x, target=y)
+        tl = runner.gather_timeline()
+        costs = mpmd.Costs.from_timeline(tl, runner.program.num_stages)
+        memory[name] = (
+            tl.peak_activation_bytes,
+            runner.program.simulate(costs).peak_activation_bytes,
+        )
 
     rows: list[dict[str, Any]] = []
     for name in names:
@@ -161,6 +179,11 @@ def main() -> None:
                 "task_means_s": {f"{k}{s}": v for (s, k), v in sorted(means.items())},
                 "idle_s": idle,
                 "idle_simulated_s": idle_sim,
+                "peak_bytes": memory[name][0],
+                "peak_simulated_bytes": memory[name][1],
+                "peak_measured_over_simulated": [
+                    a / b for a, b in zip(memory[name][0], memory[name][1], strict=True)
+                ],
             }
         )
     base = next((r["step_s"] for r in rows if r["schedule"] == "1F1B"), rows[0]["step_s"])
@@ -185,6 +208,15 @@ def main() -> None:
                 + ", ".join(
                     f"{a * 1e3:.1f} ({b * 1e3:.1f}) ms"
                     for a, b in zip(r["idle_s"], r["idle_simulated_s"], strict=True)
+                )
+            )
+        print("peak activation memory per rank, measured (simulated): measured / simulated")
+        for r in rows:
+            print(
+                f"  {r['schedule']:16} "
+                + ", ".join(
+                    f"{a / 2**20:.1f} ({b / 2**20:.1f}) MiB: {a / b:.3f}"
+                    for a, b in zip(r["peak_bytes"], r["peak_simulated_bytes"], strict=True)
                 )
             )
         split = {r["schedule"]: r["task_means_s"] for r in rows}

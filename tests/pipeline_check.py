@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from models import CASES, split_deep_unet, split_gpt
+from models import CASES, MLP, split_deep_unet, split_gpt
 
 import torchmpmd as mpmd
 
@@ -120,3 +120,60 @@ def trains_like_eager(
                 continue
             torch.testing.assert_close(p.grad, expected, rtol=tol, atol=tol, msg=fqn)
     return local, ref
+
+
+def square_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out - y) ** 2).mean()
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    s = t.untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+def plain_kept_bytes(model: MLP, x: torch.Tensor, y: torch.Tensor, split: int) -> list[int]:
+    """Per stage, the bytes one microbatch of the plain model keeps for its
+    backward when cut before layer `split`: every tensor autograd saves in
+    the stage's layers (and, on the last, in the loss), and the stage's
+    input and output, which the pipeline holds until the stage's backward.
+    Parameters and the caller's inputs are not activations."""
+    not_activations = {_storage(p)[0] for p in model.parameters()} | {
+        _storage(x)[0],
+        _storage(y)[0],
+    }
+    kept: list[dict[int, int]] = [{}, {}]
+    stage = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr, nbytes = _storage(t)
+        if ptr not in not_activations:
+            kept[stage][ptr] = nbytes
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        h = x
+        for i, layer in enumerate(model.layers):
+            if i == split:
+                kept[0].setdefault(*_storage(h))  # stage 0's output
+                h = h.clone()  # stage 1's own copy of it, as received
+                stage = 1
+                kept[1].setdefault(*_storage(h))
+            h = torch.tanh(layer(h))
+        square_loss(h, y)
+    return [sum(k.values()) for k in kept]
+
+
+def mlp_memory_case(
+    width: int, depth: int, batch: int, m: int
+) -> tuple[mpmd.Pipe, torch.Tensor, torch.Tensor, list[int]]:
+    """An MLP cut in two halves (float64), a batch of `m` microbatches and
+    its target, and per stage what one microbatch of the plain model keeps
+    for its backward (`plain_kept_bytes`)."""
+    torch.manual_seed(0)
+    model = MLP(width, depth).double()
+    x = torch.randn(batch, width, dtype=torch.float64)
+    y = torch.randn(batch, width, dtype=torch.float64)
+    mb = batch // m
+    expected = plain_kept_bytes(model, x[:mb].clone(), y[:mb].clone(), depth // 2)
+    pipe = mpmd.trace(model, (x[:mb],), split_before=[f"layers.{depth // 2}"])
+    return pipe, x, y, expected

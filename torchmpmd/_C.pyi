@@ -306,6 +306,7 @@ class runtime:
     class Executor:
         rank: int
         step_start_unix_ns: int
+        peak_held_bytes: int
         def __init__(
             self,
             rank: int,
@@ -318,6 +319,7 @@ class runtime:
             max_early_recvs: int,
             training: bool,
             device: torch.device,
+            measure_memory: bool = False,
         ) -> None: ...
         def run(
             self,
@@ -330,4 +332,4 @@ class runtime:
             shapes: dict[tuple[int, int], list[int]] = ...,
             stage_done: Callable[[int], None] | None = None,
         ) -> None: ...
-        def records(self) -> list[tuple[str, int, int, int, int, int]]: ...
+        def records(self) -> list[tuple[str, int, int, int, int, int, int, int]]: ...

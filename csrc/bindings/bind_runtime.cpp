@@ -154,26 +154,29 @@ void bind_runtime(py::module_ m) {
       .def_readonly("split", &StageInfo::split);
 
   py::class_<Executor>(m, "Executor")
-      .def(py::init(
-               [](int32_t rank, const schedule::Program& program,
-                  std::vector<StageInfo> stages, std::vector<ValueInfo> values,
-                  std::shared_ptr<Transport> transport,
-                  std::map<int32_t, at::Tensor> tied, double timeout_s,
-                  int32_t max_early_recvs, bool training, c10::Device device) {
-                 ExecutorOptions options;
-                 options.timeout = std::chrono::milliseconds(
-                     static_cast<int64_t>(timeout_s * 1000));
-                 options.max_early_recvs = max_early_recvs;
-                 options.training = training;
-                 options.device = device;
-                 return std::make_unique<Executor>(
-                     rank, program, std::move(stages), std::move(values),
-                     std::move(transport), std::move(tied), options);
-               }),
+      .def(py::init([](int32_t rank, const schedule::Program& program,
+                       std::vector<StageInfo> stages,
+                       std::vector<ValueInfo> values,
+                       std::shared_ptr<Transport> transport,
+                       std::map<int32_t, at::Tensor> tied, double timeout_s,
+                       int32_t max_early_recvs, bool training,
+                       c10::Device device, bool measure_memory) {
+             ExecutorOptions options;
+             options.timeout = std::chrono::milliseconds(
+                 static_cast<int64_t>(timeout_s * 1000));
+             options.max_early_recvs = max_early_recvs;
+             options.training = training;
+             options.device = device;
+             options.measure_memory = measure_memory;
+             return std::make_unique<Executor>(
+                 rank, program, std::move(stages), std::move(values),
+                 std::move(transport), std::move(tied), options);
+           }),
            py::arg("rank"), py::arg("program"), py::arg("stages"),
            py::arg("values"), py::arg("transport"), py::arg("tied"),
            py::arg("timeout_s"), py::arg("max_early_recvs"),
-           py::arg("training"), py::arg("device"))
+           py::arg("training"), py::arg("device"),
+           py::arg("measure_memory") = false)
       .def(
           "run",
           [](Executor& e, py::function forward, py::object input_grad,
@@ -206,21 +209,26 @@ void bind_runtime(py::module_ m) {
       .def_property_readonly("rank", &Executor::rank)
       .def_property_readonly("step_start_unix_ns",
                              &Executor::step_start_unix_ns)
+      .def_property_readonly(
+          "peak_held_bytes", &Executor::peak_held_bytes,
+          "The most bytes the last run held for backward at once, or -1 "
+          "(not measured)")
       .def(
           "records",
           [](const Executor& e) {
-            std::vector<
-                std::tuple<char, int32_t, int32_t, int64_t, int64_t, int64_t>>
+            std::vector<std::tuple<char, int32_t, int32_t, int64_t, int64_t,
+                                   int64_t, int64_t, int64_t>>
                 out;
             for (const auto& r : e.records()) {
               out.emplace_back(schedule::kind_letter(r.task.kind), r.task.stage,
                                r.task.microbatch, r.start_ns, r.end_ns,
-                               r.waited_ns);
+                               r.waited_ns, r.held_bytes, r.kept_bytes);
             }
             return out;
           },
           "The tasks of the last run: (kind, stage, microbatch, start_ns, "
-          "end_ns, waited_ns).");
+          "end_ns, waited_ns, held_bytes, kept_bytes); bytes -1 when not "
+          "measured.");
 }
 
 }  // namespace torchmpmd::bindings

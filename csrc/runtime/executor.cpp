@@ -6,6 +6,8 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include "runtime/memory.h"
+
 #include <algorithm>
 #include <deque>
 #include <mutex>
@@ -127,6 +129,8 @@ struct Executor::State {
   std::map<int32_t, at::Tensor> tied_before;
   std::map<size_t, Posted> recvs;
   std::vector<Sending> sends;
+  // Sends the peer's reply proved delivered (see delivered_by_).
+  std::set<size_t> delivered;
   std::vector<bool> issued;
   int32_t early_outstanding = 0;
   Clock::time_point t0;
@@ -134,6 +138,7 @@ struct Executor::State {
   // On a device: the marks around each record's task (start, end).
   std::optional<DeviceTimer> device;
   std::vector<std::pair<size_t, size_t>> device_marks;
+  HeldMemory* memory = nullptr;  // measuring: what the step holds
 };
 
 Executor::Executor(int32_t rank, const schedule::Program& program,
@@ -212,6 +217,7 @@ Executor::Executor(int32_t rank, const schedule::Program& program,
     }
   }
   for (const auto& [stage, pc] : last_weight_grads) stage_done_at_[pc] = stage;
+  find_replies();
   for (const auto& [id, param] : tied_) {
     TORCH_CHECK(param.defined(), "torchmpmd: tied parameter ", id,
                 " is undefined on rank ", rank_);
@@ -219,6 +225,37 @@ Executor::Executor(int32_t rank, const schedule::Program& program,
 }
 
 Executor::~Executor() = default;
+
+void Executor::find_replies() {
+  // Our receives by (peer, tag).
+  std::map<std::pair<int32_t, int64_t>, size_t> recv_at;
+  for (size_t i = 0; i < code_.size(); ++i) {
+    if (code_[i].op == Op::kRecv) recv_at[{code_[i].peer, code_[i].tag}] = i;
+  }
+  for (size_t i = 0; i < code_.size(); ++i) {
+    const Instruction& send = code_[i];
+    if (send.op != Op::kSend) continue;
+    const auto& theirs = program_.ranks.at(send.peer);
+    // The peer's receive of it, the task that reads it, and the first
+    // message to us after that task.
+    size_t j = 0;
+    while (j < theirs.size() &&
+           !(theirs[j].op == Op::kRecv && theirs[j].peer == rank_ &&
+             theirs[j].tag == send.tag)) {
+      ++j;
+    }
+    size_t k = j + 1;
+    while (k < theirs.size() && !schedule::reads(theirs[k], theirs[j])) ++k;
+    size_t m = k + 1;
+    while (m < theirs.size() &&
+           !(theirs[m].op == Op::kSend && theirs[m].peer == rank_)) {
+      ++m;
+    }
+    if (m >= theirs.size()) continue;
+    const auto reply = recv_at.find({send.peer, theirs[m].tag});
+    if (reply != recv_at.end()) delivered_by_[reply->second].push_back(i);
+  }
+}
 
 Executor::TaskFn Executor::task_fn(TaskKind kind) {
   // Split stages run B as I then W; backward() tells the kinds apart.
@@ -348,8 +385,18 @@ void Executor::wait_recv(size_t index, State& st, const Instruction& user) {
   at::Tensor buffer = std::move(posted.buffer);
   if (posted.early) --st.early_outstanding;
   st.recvs.erase(index);
+  const auto replied = delivered_by_.find(index);
+  if (replied != delivered_by_.end()) {
+    st.delivered.insert(replied->second.begin(), replied->second.end());
+  }
   switch (ins.payload) {
     case Payload::kActivation:
+      // From here it is the reading stage's input (kept if its backward
+      // needs it), no longer a posted receive.
+      if (st.memory && user.op == Op::kCompute) {
+        st.memory->adopt(buffer.storage().data_ptr().get(),
+                         {user.task.stage, ins.microbatch});
+      }
       st.acts[{ins.value, ins.microbatch}] = {
           buffer, static_cast<int32_t>(ins.stages.size())};
       break;
@@ -368,11 +415,13 @@ void Executor::reap_sends(State& st, bool all) {
     const Instruction& ins = code_[sends[i].index];
     bool done = false;
     try {
-      if (all) {
+      done = !all && sends[i].request->test();
+      // Gloo's send reports completion only to a wait: one the peer's
+      // reply proved delivered is waited for now (it returns at once), so
+      // its tensor is freed here, not at the end of the step.
+      if (!done && (all || st.delivered.count(sends[i].index))) {
         sends[i].request->wait(options_.timeout);
         done = true;
-      } else {
-        done = sends[i].request->test();
       }
     } catch (const TransportError& e) {
       std::ostringstream msg;
@@ -720,6 +769,18 @@ void Executor::execute(size_t pc, State& st) {
     return;
   }
   const size_t device_start = st.device ? st.device->mark() : 0;
+  const Task& task = ins.task;
+  const HeldMemory::Owner owner{task.stage, task.microbatch};
+  const auto& kind = schedule::info(task.kind);
+  int64_t kept = -1;
+  if (st.memory) {
+    st.memory->sample();
+    if (kind.backward) kept = st.memory->of(owner);
+    // Forward-side tasks own what they allocate: what outlives them is
+    // what the stage keeps for its backward (I: for its W).
+    const bool keeps = !kind.backward || task.kind == TaskKind::kInputGrad;
+    if (keeps) st.memory->own(owner);
+  }
   try {
     (this->*task_fn(ins.task.kind))(ins.task, st);
   } catch (const ExecutorError&) {
@@ -731,6 +792,12 @@ void Executor::execute(size_t pc, State& st) {
   }
   const auto end = Clock::now();
   if (st.device) st.device_marks.emplace_back(device_start, st.device->mark());
+  int64_t held = -1;
+  if (st.memory) {
+    st.memory->own(std::nullopt);
+    if (!kind.backward) kept = st.memory->of(owner);
+    held = st.memory->sample();
+  }
   records_.push_back(
       {ins.task,
        std::chrono::duration_cast<std::chrono::nanoseconds>(start - st.t0)
@@ -738,7 +805,8 @@ void Executor::execute(size_t pc, State& st) {
        std::chrono::duration_cast<std::chrono::nanoseconds>(end - st.t0)
            .count(),
        std::chrono::duration_cast<std::chrono::nanoseconds>(start - wait_start)
-           .count()});
+           .count(),
+       held, kept});
 }
 
 void Executor::finish_on_device(State& st) {
@@ -775,8 +843,12 @@ void Executor::run(const StageFunctions& functions) {
                 "torchmpmd: stage ", id,
                 " is split but no input/weight gradient functions were given");
   }
+  peak_held_bytes_ = -1;
+  std::optional<HeldMemoryScope> measuring;
+  if (options_.measure_memory) measuring.emplace(options_.device);
   State st;
   st.fns = &functions;
+  st.memory = measuring ? measuring->get() : nullptr;
   st.issued.assign(code_.size(), false);
   st.t0 = Clock::now();
   step_start_unix_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -835,6 +907,7 @@ void Executor::run(const StageFunctions& functions) {
           st.grad_parts.empty() && st.saved.empty() && st.saved_w.empty() &&
           st.kept.empty() && st.rng.empty() && st.recvs.empty(),
       "torchmpmd: rank ", rank_, " kept tensors past the end of the step");
+  if (st.memory) peak_held_bytes_ = st.memory->peak_held();
 }
 
 }  // namespace torchmpmd::runtime

@@ -98,6 +98,9 @@ struct ExecutorOptions {
   int32_t max_early_recvs = 64;
   bool training = true;
   at::Device device = at::kCPU;
+  // Measure the bytes the step holds for its backward (memory.h): each
+  // record's held and kept bytes, and the step's peak.
+  bool measure_memory = false;
 };
 
 // A task as it ran: nanoseconds since the step started (on a device, as
@@ -107,6 +110,12 @@ struct TaskRecord {
   int64_t start_ns = 0;
   int64_t end_ns = 0;
   int64_t waited_ns = 0;  // spent waiting for its receives before start
+  // With ExecutorOptions::measure_memory, else -1. held: the bytes every
+  // local stage held for its backward right after this task. kept: what the
+  // task's (stage, microbatch) held: after F or R, what the forward left;
+  // before B, I or W, what it kept until then.
+  int64_t held_bytes = -1;
+  int64_t kept_bytes = -1;
 };
 
 class Executor {
@@ -130,6 +139,10 @@ class Executor {
   // to line up records of different ranks.
   int64_t step_start_unix_ns() const { return step_start_unix_ns_; }
   int32_t rank() const { return rank_; }
+  // The most bytes the last run held for backward at once (between tasks),
+  // or -1 if it was not measured (measure_memory off, or a profiler held
+  // the allocator's reporting hook).
+  int64_t peak_held_bytes() const { return peak_held_bytes_; }
 
  private:
   struct State;
@@ -140,7 +153,10 @@ class Executor {
   void post_early(size_t pc, State& st);
   void post_recv(size_t index, State& st);
   void wait_recv(size_t index, State& st, const schedule::Instruction& user);
+  // Completes the sends that are done (all: waits for every one).
   void reap_sends(State& st, bool all);
+  // Fills delivered_by_ from the whole program.
+  void find_replies();
   // Device runs: waits (bounded) for the step's queued work, then takes the
   // task times from the device's events.
   void finish_on_device(State& st);
@@ -188,10 +204,14 @@ class Executor {
   std::set<std::pair<int32_t, int32_t>> recomputed_;
   // Tied parameters this rank sums over their holders (a REDUCE_TIED).
   std::vector<int32_t> reduced_tied_;
+  // Receive index -> our sends it proves delivered: the peer sent this
+  // message after the task that read them (so after receiving them).
+  std::map<size_t, std::vector<size_t>> delivered_by_;
   // Instruction index -> the stage whose weight gradients it finishes last.
   std::map<size_t, int32_t> stage_done_at_;
   std::vector<TaskRecord> records_;
   int64_t step_start_unix_ns_ = 0;
+  int64_t peak_held_bytes_ = -1;
 };
 
 }  // namespace torchmpmd::runtime

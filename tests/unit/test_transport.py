@@ -28,7 +28,9 @@ def test_runners_on_a_local_world_match_gradient_accumulation_and_gather_timelin
     world = LocalWorld(2)
     assert isinstance(world.transport(0), Transport)
     # The same public argument a user's own transport would take.
-    local = LocalPipeline(pipe, mpmd.schedules.OneFOneB(M), 2, loss_fn=case.loss, timeout=30)
+    local = LocalPipeline(
+        pipe, mpmd.schedules.OneFOneB(M), 2, loss_fn=case.loss, timeout=30, measure_memory=True
+    )
     outs = local.step(*batch, target=target)
     ref = case.model(torch.float64)
     losses = []
@@ -40,16 +42,19 @@ def test_runners_on_a_local_world_match_gradient_accumulation_and_gather_timelin
         torch.testing.assert_close(out.loss, torch.stack(losses).double().mean())
 
     gathered = local._on_all(lambda r: r.gather_timeline())
-    expected = sorted(
-        (e.rank, e.kind, e.stage, e.microbatch, e.start, e.end)
-        for r in local.runners
-        for e in r.timeline.events
+    fields = lambda e: (  # noqa: E731
+        *(e.rank, e.kind, e.stage, e.microbatch, e.start, e.end),
+        *(e.held_bytes, e.kept_bytes),
     )
+    expected = sorted(fields(e) for r in local.runners for e in r.timeline.events)
     assert len(expected) == 2 * pipe.num_stages * M  # an F and a B per stage and microbatch
+    assert min(e[-1] for e in expected) > 0  # every task measured what it kept
+    peaks = [r.timeline.peak_activation_bytes[r.rank] for r in local.runners]
+    assert min(peaks) > 0
     for tl in gathered:
         assert tl.num_ranks == 2 and tl.source == "measured"
-        got = sorted((e.rank, e.kind, e.stage, e.microbatch, e.start, e.end) for e in tl.events)
-        assert got == expected
+        assert sorted(fields(e) for e in tl.events) == expected
+        assert tl.peak_activation_bytes == peaks
 
 
 def test_bad_transport_arguments_say_what_to_pass():

@@ -63,6 +63,7 @@ class Options:
     split_backward: bool | str
     compile_options: Mapping[str, Any] | None
     selective_recompute: frozenset[int] = frozenset()
+    measure_memory: bool = False
 
 
 class CompiledPipe:
@@ -195,6 +196,7 @@ class CompiledPipe:
             max_early_recvs=options.max_early_recvs,
             training=training,
             device=options.device,
+            measure_memory=options.measure_memory,
         )
 
 

@@ -65,6 +65,13 @@ class PipelineRunner:
     shape not seen before is traced once more from the model (on every rank
     alike; `num_traces` counts them), a shape seen before costs nothing.
 
+    `measure_memory=True` has each step measure, from the allocator, the
+    bytes every local stage holds for its backward (what forward tasks
+    allocated and is not yet freed): `timeline.peak_activation_bytes` and each
+    task's `held_bytes` / `kept_bytes`, which `Costs.from_timeline` turns into
+    the activation sizes the simulator predicts memory with. Off by default:
+    it adds a lock and a map update to every allocation.
+
     The ranks talk over `group` (a torch.distributed process group; default:
     the world) or any `transport` (`torchmpmd.runtime.transport`), e.g. the
     in-process one of `torchmpmd.testing`. Call `step` (and `eval_step`) on
@@ -90,6 +97,7 @@ class PipelineRunner:
         data_parallel: str | None = None,
         parallelize: Parallelize | None = None,
         bucket_bytes: int = 25 * 2**20,
+        measure_memory: bool = False,
     ) -> None:
         require_pipe(pipe, "PipelineRunner")
         _check_options(timeout, compile, max_early_recvs)
@@ -124,6 +132,7 @@ class PipelineRunner:
             split_backward=split_backward,
             compile_options=None if compile is False else ({} if compile is True else compile),
             selective_recompute=selective,
+            measure_memory=bool(measure_memory),
         )
         first = CompiledPipe(pipe, self._options, shared=None)
         self.dp_size = 1 if dp_group is None else dist.get_world_size(dp_group)
@@ -250,6 +259,7 @@ class PipelineRunner:
             self.num_ranks,
             compiled.executor.records(),
             compiled.executor.step_start_unix_ns,
+            compiled.executor.peak_held_bytes,
         )
         # float64 holds a float32 or float64 loss exactly.
         if self.rank == self._loss_rank:
@@ -510,23 +520,28 @@ class PipelineRunner:
         if self.timeline is None:
             raise RuntimeError("gather_timeline: run a step first")
         kinds = list(_C.schedule.TaskKind.__members__)  # measured events are tasks
+        peak = self.timeline.peak_activation_bytes[self.rank]
+        # float64 holds nanosecond times and byte counts (< 2**53) exactly;
+        # the first row carries the rank's peak.
         rows = torch.tensor(
-            [
-                [kinds.index(e.kind), e.stage, e.microbatch, e.start, e.end]
+            [[peak, 0, 0, 0, 0, 0, 0]]
+            + [
+                [kinds.index(e.kind), e.stage, e.microbatch, e.start, e.end, *e.bytes]
                 for e in self.timeline.events
             ],
             dtype=torch.float64,
             device=self.device,
-        ).reshape(-1, 5)
+        )
         self._refuse_if_failed()
         with self._exchanging("gather_timeline"):
-            parts = all_gather(self._transport, rows, self._timeout)
+            parts = [p.cpu().tolist() for p in all_gather(self._transport, rows, self._timeout)]
         events = [
-            TimelineEvent(rank, kinds[int(k)], int(s), int(mb), start, end)
+            TimelineEvent(rank, kinds[int(k)], int(s), int(mb), start, end, "", int(h), int(b))
             for rank, part in enumerate(parts)
-            for k, s, mb, start, end in part.cpu().tolist()
+            for k, s, mb, start, end, h, b in part[1:]
         ]
-        return Timeline(self.num_ranks, events, "measured", "s")
+        peaks = [int(part[0][0]) for part in parts]
+        return Timeline(self.num_ranks, events, "measured", "s", peaks)
 
     # ---- results shared from the last stage's rank
 

@@ -80,11 +80,20 @@ class Costs:
 
         Kinds a schedule did not run are derived from the others (B = I + W,
         I = W = B / 2); a stage with no measurement at all is an error.
+        A timeline measured with `measure_memory=True` also gives the bytes a
+        microbatch keeps per stage: what its forward held when its backward
+        (B or I) started, and what I left for W.
         """
         sums: dict[tuple[int, str], list[float]] = defaultdict(list)
+        kept: dict[tuple[int, str], list[int]] = defaultdict(list)
         for e in timeline.tasks:
             sums[(e.stage, e.kind)].append(e.duration)
+            if e.kept_bytes >= 0 and e.kind in ("B", "I", "W"):
+                kept[(e.stage, "W" if e.kind == "W" else "BI")].append(e.kept_bytes)
         mean = {k: sum(v) / len(v) for k, v in sums.items()}
+        memory = _kept_bytes(kept, num_stages)
+        if memory is not None:
+            link = {"activation_bytes": memory[0], "weight_grad_bytes": memory[1], **link}
         f, b, i, w = [], [], [], []
         for s in range(num_stages):
             if (s, "F") not in mean:
@@ -99,6 +108,21 @@ class Costs:
             i.append(is_ if is_ is not None else bs - (ws or 0.0))
             w.append(ws if ws is not None else bs - (is_ or 0.0))
         return Costs(forward=f, backward=b, input_grad=i, weight_grad=w, unit=timeline.unit, **link)
+
+
+def _kept_bytes(
+    kept: dict[tuple[int, str], list[int]], num_stages: int
+) -> tuple[list[int], list[int]] | None:
+    """Per stage, the mean bytes a microbatch's forward kept for B / I, and
+    I for W (0 without split stages); None unless every stage was measured."""
+    acts, wbytes = [], []
+    for s in range(num_stages):
+        a, w = kept.get((s, "BI")), kept.get((s, "W"))
+        if not a:
+            return None
+        acts.append(round(sum(a) / len(a)))
+        wbytes.append(round(sum(w) / len(w)) if w else 0)
+    return acts, wbytes
 
 
 def timeline_from_native(native: _C.schedule.Timeline, unit: str) -> Timeline:

@@ -22,10 +22,21 @@ class TimelineEvent:
     start: float  # seconds (measured) or cost units (simulated)
     end: float
     label: str = ""
+    # Measured with PipelineRunner(measure_memory=True), else -1. held: bytes
+    # every local stage held for its backward right after this task. kept:
+    # what this (stage, microbatch) held: after F or R what the forward left,
+    # before B, I or W what it kept until then.
+    held_bytes: int = -1
+    kept_bytes: int = -1
 
     @property
     def duration(self) -> float:
         return self.end - self.start
+
+    @property
+    def bytes(self) -> tuple[int, int]:
+        """(held_bytes, kept_bytes)."""
+        return self.held_bytes, self.kept_bytes
 
     @property
     def is_task(self) -> bool:
@@ -40,6 +51,8 @@ class Timeline:
     events: list[TimelineEvent]
     source: str = "measured"  # or "simulated"
     unit: str = "s"
+    # Per rank, the most bytes held for backward at once (simulated, or
+    # measured with PipelineRunner(measure_memory=True); -1: not measured).
     peak_activation_bytes: list[int] = field(default_factory=list)
 
     @property
@@ -81,7 +94,17 @@ class Timeline:
         parts = list(timelines)
         events = [e for t in parts for e in t.events]
         num_ranks = max((t.num_ranks for t in parts), default=0)
-        return Timeline(num_ranks, events, parts[0].source if parts else "measured")
+        peaks = [-1] * num_ranks
+        for t in parts:
+            for r, b in enumerate(t.peak_activation_bytes):
+                peaks[r] = max(peaks[r], b)
+        return Timeline(
+            num_ranks,
+            events,
+            parts[0].source if parts else "measured",
+            parts[0].unit if parts else "s",
+            peaks,
+        )
 
     def to_chrome_trace(self) -> dict[str, Any]:
         """Chrome trace-event JSON (opens in Perfetto / chrome://tracing)."""
@@ -130,15 +153,20 @@ class Timeline:
 def from_records(
     rank: int,
     num_ranks: int,
-    records: Sequence[tuple[str, int, int, int, int, int]],
+    records: Sequence[tuple[str, int, int, int, int, int, int, int]],
     step_start_unix_ns: int = 0,
+    peak_held_bytes: int = -1,
 ) -> Timeline:
     """A measured timeline of one rank from the executor's task records
     (nanoseconds since the step started), in seconds since the Unix epoch so
     that timelines of different ranks line up."""
     origin = step_start_unix_ns / 1e9
     events = [
-        TimelineEvent(rank, kind, stage, mb, origin + start / 1e9, origin + end / 1e9)
-        for kind, stage, mb, start, end, _waited in records
+        TimelineEvent(
+            rank, kind, stage, mb, origin + start / 1e9, origin + end / 1e9, "", held, kept
+        )
+        for kind, stage, mb, start, end, _waited, held, kept in records
     ]
-    return Timeline(num_ranks, events, "measured", "s")
+    peaks = [-1] * num_ranks
+    peaks[rank] = peak_held_bytes
+    return Timeline(num_ranks, events, "measured", "s", peaks)
