@@ -115,6 +115,44 @@ def check_failure_is_bounded(device: torch.device) -> str:
     return f"failure on one rank: every rank stopped in {took:.2f} s"
 
 
+def check_memory(device: torch.device) -> str:
+    """The activation bytes measured from the device's allocator against the
+    simulator's prediction (within 10%), and, on CUDA, against what the
+    caching allocator saw at its peak (which also holds gradients and
+    workspace, so at least as much)."""
+    cfg = GPTConfig(vocab_size=256, seq_len=64, dim=128, heads=4, layers=4)
+    m = 8
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, cfg.vocab_size, (2 * m, cfg.seq_len), generator=g).to(device)
+    torch.manual_seed(0)
+    pipe = mpmd.trace(GPT(cfg), (x[:2].cpu(),), split_before=split_points(cfg, 2))
+    local = LocalPipeline(
+        pipe, S.OneFOneB(m), 2, loss_fn=lm_loss, device=device, measure_memory=True
+    )
+    local.step(x, target=x)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    local.step(x, target=x)
+    measured = mpmd.Timeline.merge(r.timeline for r in local.runners if r.timeline)
+    costs = mpmd.Costs.from_timeline(measured, pipe.num_stages)
+    predicted = local.runners[0].program.simulate(costs).peak_activation_bytes
+    ratios = [a / b for a, b in zip(measured.peak_activation_bytes, predicted, strict=True)]
+    assert all(0.9 <= q <= 1.1 for q in ratios), f"measured / predicted peak: {ratios}"
+    line = "activation memory, measured / predicted per rank: " + ", ".join(
+        f"{a / 2**20:.2f} / {b / 2**20:.2f} MiB"
+        for a, b in zip(measured.peak_activation_bytes, predicted, strict=True)
+    )
+    if cuda:
+        seen = torch.cuda.max_memory_allocated(device) - before
+        held = sum(measured.peak_activation_bytes)
+        assert seen >= held, f"the allocator peaked at {seen} bytes above the start, below {held}"
+        line += f"; torch.cuda.max_memory_allocated over the step: {seen / 2**20:.2f} MiB"
+    return line
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
@@ -133,6 +171,7 @@ def main() -> None:
     ]
     for name, cls, ranks, stages in cases:
         print(check_schedule(name, cls, ranks, stages, device), flush=True)
+    print(check_memory(device), flush=True)
     print(check_failure_is_bounded(device), flush=True)
     print(f"all GPU checks passed on {device}")
 
