@@ -9,10 +9,13 @@ result) and picks a split twice: with its defaults ("defaults": no loss, free
 transfers) and told what the runner will do ("balanced": the loss function,
 and the Gloo link's bandwidth and latency, measured here by ping-pong). Then
 every split at a unit boundary (the units balance itself considers, so the
-balanced and even splits are among them) is traced, run and timed. Splits take turns, one step each per round, so all
-of them see the same machine conditions (which drift on a shared machine); a
-split's time is the median of its `--rounds` steps after `--warmup` rounds.
-Each rank runs one thread.
+balanced and even splits are among them) is traced, run and timed. Splits take
+turns, one step each per round, so all of them see the same machine conditions
+(which drift on a shared machine); a split's time is the median of its
+`--rounds` steps after `--warmup` rounds. The fastest of many noisy medians is
+biased low (the winner's curse), so the balanced, even, default and fastest
+splits then run again head to head for `--confirm-rounds` rounds, and the
+ratios come from that second run. Each rank runs one thread.
 """
 
 from __future__ import annotations
@@ -231,40 +234,54 @@ def run_case(
         pipe = mpmd.trace(case.model, example, split_before=split)
         runners.append(mpmd.PipelineRunner(pipe, mpmd.schedules.OneFOneB(m), loss_fn=case.loss))
 
+    def timed(indices: list[int], rounds: int) -> list[float]:
+        """Median step of each split in `indices`, taking turns."""
+        times: list[list[float]] = [[] for _ in indices]
+        for r in range(args.warmup + rounds):
+            for k, i in enumerate(indices):
+                dist.barrier()
+                t0 = time.perf_counter()
+                runners[i].step(*case.batch, target=case.target)
+                elapsed = time.perf_counter() - t0
+                if r >= args.warmup:
+                    times[k].append(elapsed)
+                for p in case.model.parameters():
+                    p.grad = None
+        # Rank 0's clock decides: both ranks end a step together (the loss crosses).
+        box: list[Any] = [[statistics.median(t) for t in times]]
+        dist.broadcast_object_list(box, src=0)
+        medians: list[float] = box[0]
+        return medians
+
     def unpipelined() -> None:
         # The same step on one rank: gradient accumulation over the microbatches.
         for *mb, y in zip(*(t.chunk(m) for t in (*case.batch, case.target)), strict=True):
             (case.loss(case.model(*mb), y) / m).backward()
 
-    times: list[list[float]] = [[] for _ in splits]
     serial: list[float] = []
-    for r in range(args.warmup + args.rounds):
-        dist.barrier()
-        if rank == 0:
+    if rank == 0:
+        for r in range(args.warmup + args.rounds):
             t0 = time.perf_counter()
             unpipelined()
             if r >= args.warmup:
                 serial.append(time.perf_counter() - t0)
             for p in case.model.parameters():
                 p.grad = None
-        dist.barrier()
-        for i, runner in enumerate(runners):
-            dist.barrier()
-            t0 = time.perf_counter()
-            runner.step(*case.batch, target=case.target)
-            elapsed = time.perf_counter() - t0
-            if r >= args.warmup:
-                times[i].append(elapsed)
-            for p in case.model.parameters():
-                p.grad = None
-    measured = [statistics.median(t) for t in times]
-    # Rank 0's clock decides: both ranks end a step together (the loss crosses).
-    box: list[Any] = [measured]
-    dist.broadcast_object_list(box, src=0)
-    measured = box[0]
+    measured = timed(list(range(len(splits))), args.rounds)
     serial_s = statistics.median(serial) if serial else 0.0
     names = [s[0] for s in splits]
+    fastest = min(range(len(names)), key=lambda i: measured[i])
+    picks = {
+        "balanced": names.index(found.split_before[0]),
+        "defaults": names.index(defaults.split_before[0]),
+        "even": names.index(found.even_split_before[0]),
+        "best": fastest,
+    }
+    again = sorted(set(picks.values()))
+    confirmed = dict(zip(again, timed(again, args.confirm_rounds), strict=True))
     return {
+        "picks": picks,
+        "confirmed": confirmed,
         "found": found,
         "defaults": defaults,
         "balance_s": balance_s,
@@ -277,30 +294,26 @@ def run_case(
 
 
 def report(case: Case, r: dict[str, Any], args: argparse.Namespace) -> tuple[Any, ...]:
-    found: mpmd.Balance = r["found"]
     names, measured, pred = r["names"], r["measured"], r["predicted"]
+    picks, confirmed = r["picks"], r["confirmed"]
     print(
-        f"\n{case.name}: {len(found.profile.units)} units, balance took {r['balance_s']:.1f} s; "
+        f"\n{case.name}: {len(names)} cuts, balance took {r['balance_s']:.1f} s; "
         f"unpipelined on one rank: {r['serial'] * 1e3:.1f} ms"
     )
     print(f"  {'split_before':<16}{'measured':>10}{'predicted':>11}")
-    best = min(range(len(names)), key=lambda i: measured[i])
-    bal = names.index(found.split_before[0])
-    default = names.index(r["defaults"].split_before[0])
-    even = names.index(found.even_split_before[0])
     for i, name in enumerate(names):
-        marks = "".join(
-            f" <- {w}"
-            for w, j in (("balanced", bal), ("defaults", default), ("even", even), ("best", best))
-            if i == j
-        )
+        marks = "".join(f" <- {w}" for w, j in picks.items() if i == j)
         print(f"  {name:<16}{measured[i] * 1e3:8.1f}ms{pred[i] * 1e3:9.1f}ms{marks}")
+    print(
+        f"  head to head ({args.confirm_rounds} rounds): "
+        + ", ".join(f"{names[i]} {t * 1e3:.1f}ms" for i, t in confirmed.items())
+    )
+    # The best of the head-to-head run (the balanced split may win it).
+    best = min(confirmed, key=lambda i: confirmed[i])
     return (
         case.name,
-        (names[bal], measured[bal]),
-        (names[default], measured[default]),
-        (names[even], measured[even]),
-        (names[best], measured[best]),
+        *((names[picks[w]], confirmed[picks[w]]) for w in ("balanced", "defaults", "even")),
+        (names[best], confirmed[best]),
     )
 
 
@@ -310,6 +323,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--microbatch-size", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--confirm-rounds", type=int, default=30)
     p.add_argument("--models", default="", help="comma-separated prefixes; default: all")
     p.add_argument("--json", type=Path, default=None, help="also write the table here")
     return p.parse_args()
@@ -333,8 +347,8 @@ def main() -> None:
     if rank == 0:
         print(
             f"\n2 stages on 2 Gloo ranks (1 thread each), OneFOneB, {args.microbatches} "
-            f"microbatches of {args.microbatch_size}; median of {args.rounds} steps per split, "
-            "taken in turns"
+            f"microbatches of {args.microbatch_size}; every split: median of {args.rounds} steps, "
+            f"taken in turns; the ratios: the named splits again, {args.confirm_rounds} rounds"
         )
         header = (
             f"{'model':<17}{'balanced':<17}{'defaults':<17}{'even':<17}{'best':<17}"
