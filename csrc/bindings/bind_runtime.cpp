@@ -117,10 +117,25 @@ void bind_runtime(py::module_ m) {
       .def(py::init([](c10::intrusive_ptr<c10d::ProcessGroup> group,
                        std::optional<c10::intrusive_ptr<c10d::Store>> store,
                        std::string key, double poll_interval_s) {
-             return std::make_shared<C10dTransport>(
-                 std::move(group), store.value_or(nullptr), std::move(key),
-                 std::chrono::milliseconds(
-                     static_cast<int64_t>(poll_interval_s * 1000)));
+             // The last reference may go with the GIL held (a Python
+             // object's deallocation, e.g. at exit). The process group's
+             // destructor then joins its worker threads, which may need the
+             // GIL to drop a tensor's Python object: a deadlock. So it is
+             // destroyed without the GIL, as torch's own bindings do
+             // (IntrusivePtrNoGilDestructor).
+             return std::shared_ptr<C10dTransport>(
+                 new C10dTransport(
+                     std::move(group), store.value_or(nullptr), std::move(key),
+                     std::chrono::milliseconds(
+                         static_cast<int64_t>(poll_interval_s * 1000))),
+                 [](C10dTransport* transport) {
+                   if (PyGILState_Check()) {
+                     py::gil_scoped_release release;
+                     delete transport;
+                   } else {
+                     delete transport;
+                   }
+                 });
            }),
            py::arg("group"), py::arg("store") = py::none(), py::arg("key") = "",
            py::arg("poll_interval_s") = 0.05);

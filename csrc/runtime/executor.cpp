@@ -227,6 +227,10 @@ Executor::Executor(int32_t rank, const schedule::Program& program,
 Executor::~Executor() = default;
 
 void Executor::find_replies() {
+  // A pair-ordered (NCCL) transport's test() sees its sends complete, and
+  // its receives return before the data is there (stream-ordered), so a
+  // reply proves nothing there.
+  if (transport_->pair_ordered()) return;
   // Our receives by (peer, tag).
   std::map<std::pair<int32_t, int64_t>, size_t> recv_at;
   for (size_t i = 0; i < code_.size(); ++i) {
@@ -669,6 +673,10 @@ void Executor::input_grad(const Task& task, State& st) {
   size_t next = 0;
   for (const int32_t v : si.inputs) {
     if (!value(v).requires_grad) continue;
+    // An input gradient is on its way out, not kept for W.
+    if (st.memory && result[next].defined()) {
+      st.memory->disown(result[next].storage().data_ptr().get());
+    }
     st.grad_parts[{v, mb}][task.stage] = std::move(result[next++]);
   }
   st.saved_w[key].assign(std::make_move_iterator(result.begin() + k),

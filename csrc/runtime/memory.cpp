@@ -15,6 +15,10 @@ void HeldMemory::reportMemoryUsage(void* ptr, int64_t alloc_size,
   }
   std::lock_guard<std::mutex> lock(mu_);
   if (alloc_size > 0) {
+    // Memory freed where we did not see it (a thread without this
+    // reporter), now handed out again: the old block is gone.
+    const auto stale = live_.find(ptr);
+    if (stale != live_.end()) release(stale->second);
     live_[ptr] = {alloc_size, current_};
     if (current_) {
       by_owner_[*current_] += alloc_size;
@@ -25,13 +29,24 @@ void HeldMemory::reportMemoryUsage(void* ptr, int64_t alloc_size,
   // A free; one of memory allocated before the step is not ours to count.
   const auto it = live_.find(ptr);
   if (it == live_.end()) return;
-  if (it->second.owner) {
-    const auto owned = by_owner_.find(*it->second.owner);
-    owned->second -= it->second.bytes;
-    if (owned->second == 0) by_owner_.erase(owned);
-    held_ -= it->second.bytes;
-  }
+  release(it->second);
   live_.erase(it);
+}
+
+void HeldMemory::release(const Block& block) {
+  if (!block.owner) return;
+  const auto owned = by_owner_.find(*block.owner);
+  owned->second -= block.bytes;
+  if (owned->second == 0) by_owner_.erase(owned);
+  held_ -= block.bytes;
+}
+
+void HeldMemory::disown(const void* ptr) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto it = live_.find(ptr);
+  if (it == live_.end()) return;
+  release(it->second);
+  it->second.owner.reset();
 }
 
 void HeldMemory::own(std::optional<Owner> owner) {

@@ -19,6 +19,7 @@
 
 #include <c10/core/Allocator.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
+#include <torch/csrc/profiler/orchestration/observer.h>
 
 #include <cstdint>
 #include <map>
@@ -30,21 +31,33 @@
 
 namespace torchmpmd::runtime {
 
-class HeldMemory final : public c10::MemoryReportingInfoBase {
+// A profiler state in torch's eyes (torch reads the slot as one, e.g.
+// torch.autograd._profiler_enabled()): a disabled profiler that only
+// profiles memory.
+class HeldMemory final : public torch::profiler::impl::ProfilerStateBase {
  public:
   using Owner = std::pair<int32_t, int32_t>;  // (stage, microbatch)
 
-  explicit HeldMemory(c10::Device device) : device_(device) {}
+  explicit HeldMemory(c10::Device device)
+      : ProfilerStateBase(torch::profiler::impl::ProfilerConfig(
+            torch::profiler::impl::ProfilerState::Disabled)),
+        device_(device) {}
 
   void reportMemoryUsage(void* ptr, int64_t alloc_size, size_t total_allocated,
                          size_t total_reserved, c10::Device device) override;
   bool memoryProfilingEnabled() const override { return true; }
+  torch::profiler::impl::ActiveProfilerType profilerType() override {
+    return torch::profiler::impl::ActiveProfilerType::NONE;
+  }
 
   // Allocations from now on belong to `owner` (nullopt: to nobody).
   void own(std::optional<Owner> owner);
   // The allocation at `ptr` (made while nobody owned allocations, e.g. a
   // receive buffer) now belongs to `owner`.
   void adopt(const void* ptr, Owner owner);
+  // The allocation at `ptr` belongs to nobody from now on (an input
+  // gradient an I task made: not kept for W).
+  void disown(const void* ptr);
 
   // Live bytes with an owner; of one owner; without one (receive buffers
   // and gradients).
@@ -59,6 +72,8 @@ class HeldMemory final : public c10::MemoryReportingInfoBase {
     int64_t bytes = 0;
     std::optional<Owner> owner;
   };
+  // Stops counting `block` (under mu_).
+  void release(const Block& block);
   const c10::Device device_;
   mutable std::mutex mu_;
   std::optional<Owner> current_;

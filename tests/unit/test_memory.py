@@ -80,6 +80,28 @@ def test_memory_is_not_measured_unless_asked():
     assert mpmd.Costs.from_timeline(tl, 1).activation_bytes is None
 
 
+def test_code_in_a_measured_step_sees_no_profiler():
+    """The measuring hook sits where torch keeps its profiler's state: torch
+    code asking whether a profiler runs must read "no", not misread it."""
+    pipe, x, y, _ = mlp_memory_case(WIDTH, DEPTH, BATCH, M)
+    seen = []
+
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        seen.append((torch.autograd._profiler_enabled(), torch._C._autograd._profiler_type()))
+        return square_loss(out, target)
+
+    runner = mpmd.PipelineRunner(
+        pipe,
+        mpmd.schedules.GPipe(M),
+        transport=LocalWorld(1).transport(0),
+        loss_fn=loss,
+        measure_memory=True,
+    )
+    runner.step(x, target=y)
+    assert runner.timeline is not None and runner.timeline.peak_activation_bytes[0] > 0
+    assert seen == [(False, torch._C._profiler.ActiveProfilerType.NONE)] * M
+
+
 def test_a_running_profiler_keeps_the_allocator_hook():
     """Under torch.profiler the step is not measured (-1) rather than the
     profiler's memory events taken from it."""
