@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import CASES, MLP
+from models import CASES
 from pipeline_check import ALL, microbatches_for, mlp_memory_case, square_loss, stages_for, traced
 
 import torchmpmd as mpmd
@@ -80,23 +80,29 @@ def test_memory_is_not_measured_unless_asked():
     assert mpmd.Costs.from_timeline(tl, 1).activation_bytes is None
 
 
+def _one_rank_runner(loss_fn) -> tuple[mpmd.PipelineRunner, torch.Tensor, torch.Tensor]:
+    """Both halves of the MLP on one rank, measuring memory; its batch and target."""
+    pipe, x, y, _ = mlp_memory_case(WIDTH, DEPTH, BATCH, M)
+    runner = mpmd.PipelineRunner(
+        pipe,
+        mpmd.schedules.GPipe(M),
+        transport=LocalWorld(1).transport(0),
+        loss_fn=loss_fn,
+        measure_memory=True,
+    )
+    return runner, x, y
+
+
 def test_code_in_a_measured_step_sees_no_profiler():
     """The measuring hook sits where torch keeps its profiler's state: torch
     code asking whether a profiler runs must read "no", not misread it."""
-    pipe, x, y, _ = mlp_memory_case(WIDTH, DEPTH, BATCH, M)
     seen = []
 
     def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         seen.append((torch.autograd._profiler_enabled(), torch._C._autograd._profiler_type()))
         return square_loss(out, target)
 
-    runner = mpmd.PipelineRunner(
-        pipe,
-        mpmd.schedules.GPipe(M),
-        transport=LocalWorld(1).transport(0),
-        loss_fn=loss,
-        measure_memory=True,
-    )
+    runner, x, y = _one_rank_runner(loss)
     runner.step(x, target=y)
     assert runner.timeline is not None and runner.timeline.peak_activation_bytes[0] > 0
     assert seen == [(False, torch._C._profiler.ActiveProfilerType.NONE)] * M
@@ -105,22 +111,12 @@ def test_code_in_a_measured_step_sees_no_profiler():
 def test_a_running_profiler_keeps_the_allocator_hook():
     """Under torch.profiler the step is not measured (-1) rather than the
     profiler's memory events taken from it."""
-    torch.manual_seed(0)
-    model = MLP(WIDTH, DEPTH).double()
-    x = torch.randn(BATCH, WIDTH, dtype=torch.float64)
-    pipe = mpmd.trace(model, (x[: BATCH // M],), split_before=["layers.2"])
-    runner = mpmd.PipelineRunner(
-        pipe,
-        mpmd.schedules.GPipe(M),
-        transport=LocalWorld(1).transport(0),
-        loss_fn=square_loss,
-        measure_memory=True,
-    )
-    runner.step(x, target=x)
+    runner, x, y = _one_rank_runner(square_loss)
+    runner.step(x, target=y)
     assert runner.timeline is not None and runner.timeline.peak_activation_bytes[0] > 0
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
     ) as prof:
-        runner.step(x, target=x)
+        runner.step(x, target=y)
     assert runner.timeline.peak_activation_bytes == [-1]
     assert any(e.cpu_memory_usage > 0 for e in prof.events())
