@@ -38,7 +38,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
-from launch import launch, measure_link  # noqa: E402
+from launch import idle_time, launch, measure_link  # noqa: E402
 
 import torchmpmd as mpmd  # noqa: E402
 from torchmpmd.graph.balance import simulate  # noqa: E402
@@ -208,6 +208,28 @@ def predicted(found: mpmd.Balance, split: list[str], link: tuple[float, float]) 
     return timeline.step_time
 
 
+def diagnose(
+    runner: mpmd.PipelineRunner, timelines: list[mpmd.Timeline], link: tuple[float, float]
+) -> dict[str, Any]:
+    """A split's measured steps against the simulator given the costs measured
+    in those same steps: what the split's profile cannot explain (the
+    executor span over that simulation, and idle time per rank)."""
+    program = runner.program
+    costs = mpmd.Costs.from_timeline(
+        mpmd.Timeline.merge(timelines), program.num_stages, latency=link[0], bandwidth=link[1]
+    )
+    simulated = program.simulate(costs)
+    spans = sorted(tl.step_time for tl in timelines)
+    ranks = range(program.num_ranks)
+    return {
+        "span_s": statistics.median(spans),
+        "span_quartiles_s": (spans[len(spans) // 4], spans[3 * len(spans) // 4]),
+        "simulated_s": simulated.step_time,
+        "idle_s": [statistics.median(idle_time(tl, r) for tl in timelines) for r in ranks],
+        "idle_simulated_s": [idle_time(simulated, r) for r in ranks],
+    }
+
+
 def run_case(
     case: Case, args: argparse.Namespace, rank: int, link: tuple[float, float]
 ) -> dict[str, Any]:
@@ -234,8 +256,11 @@ def run_case(
         pipe = mpmd.trace(case.model, example, split_before=split)
         runners.append(mpmd.PipelineRunner(pipe, mpmd.schedules.OneFOneB(m), loss_fn=case.loss))
 
-    def timed(indices: list[int], rounds: int) -> list[float]:
-        """Median step of each split in `indices`, taking turns."""
+    def timed(
+        indices: list[int], rounds: int, timelines: list[list[mpmd.Timeline]] | None = None
+    ) -> list[float]:
+        """Median step of each split in `indices`, taking turns (and, given
+        `timelines`, each step's measured timeline of every rank)."""
         times: list[list[float]] = [[] for _ in indices]
         for r in range(args.warmup + rounds):
             for k, i in enumerate(indices):
@@ -245,6 +270,8 @@ def run_case(
                 elapsed = time.perf_counter() - t0
                 if r >= args.warmup:
                     times[k].append(elapsed)
+                    if timelines is not None:
+                        timelines[k].append(runners[i].gather_timeline())
                 for p in case.model.parameters():
                     p.grad = None
         # Rank 0's clock decides: both ranks end a step together (the loss crosses).
@@ -278,10 +305,15 @@ def run_case(
         "best": fastest,
     }
     again = sorted(set(picks.values()))
-    confirmed = dict(zip(again, timed(again, args.confirm_rounds), strict=True))
+    measured_timelines: list[list[mpmd.Timeline]] = [[] for _ in again]
+    confirmed = dict(zip(again, timed(again, args.confirm_rounds, measured_timelines), strict=True))
     return {
         "picks": picks,
         "confirmed": confirmed,
+        "diagnosis": {
+            i: diagnose(runners[i], tls, link)
+            for i, tls in zip(again, measured_timelines, strict=True)
+        },
         "found": found,
         "defaults": defaults,
         "balance_s": balance_s,
@@ -308,6 +340,19 @@ def report(case: Case, r: dict[str, Any], args: argparse.Namespace) -> tuple[Any
         f"  head to head ({args.confirm_rounds} rounds): "
         + ", ".join(f"{names[i]} {t * 1e3:.1f}ms" for i, t in confirmed.items())
     )
+    print("  the same steps against the simulator given their own measured costs:")
+    for i, d in r["diagnosis"].items():
+        q1, q3 = d["span_quartiles_s"]
+        print(
+            f"    {names[i]:<14} span {d['span_s'] * 1e3:.1f} ms (quartiles {q1 * 1e3:.1f}-"
+            f"{q3 * 1e3:.1f}), simulated {d['simulated_s'] * 1e3:.1f} ms: "
+            f"{d['span_s'] / d['simulated_s']:.3f}; idle per rank "
+            + ", ".join(
+                f"{a * 1e3:.1f} ({b * 1e3:.1f})"
+                for a, b in zip(d["idle_s"], d["idle_simulated_s"], strict=True)
+            )
+            + " ms, measured (simulated)"
+        )
     # The best of the head-to-head run (the balanced split may win it).
     best = min(confirmed, key=lambda i: confirmed[i])
     return (

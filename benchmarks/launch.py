@@ -1,6 +1,7 @@
 """Shared by the 2-rank benchmarks: `launch` runs `main` under torchrun when
 started as a plain script (python benchmarks/x.py), or directly when torchrun
-started it; `measure_link` measures the Gloo link the simulator charges."""
+started it; `measure_link` measures the Gloo link the simulator charges;
+`idle_time` reads a rank's idle time off a timeline."""
 
 from __future__ import annotations
 
@@ -45,3 +46,13 @@ def measure_link(rank: int, repeats: int = 20) -> tuple[float, float]:
     dist.broadcast_object_list(box, src=0)
     small, big = box[0]
     return small, 4 * (1 << 20) / max(big - small, 1e-9)
+
+
+def idle_time(timeline: Any, rank: int) -> float:
+    """Time `rank` spent between its first and last task without running one
+    (`timeline`: an mpmd.Timeline, measured or simulated)."""
+    tasks = [e for e in timeline.tasks if e.rank == rank]
+    if not tasks:
+        return 0.0
+    span = max(e.end for e in tasks) - min(e.start for e in tasks)
+    return float(span - sum(e.duration for e in tasks))

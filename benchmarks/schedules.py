@@ -30,7 +30,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 from gpt import GPT, GPTConfig, split_points  # noqa: E402
-from launch import launch, measure_link  # noqa: E402
+from launch import idle_time, launch, measure_link  # noqa: E402
 
 import torchmpmd as mpmd  # noqa: E402
 
@@ -79,15 +79,6 @@ def stage_means(timelines: list[mpmd.Timeline]) -> dict[tuple[int, str], float]:
         for e in tl.tasks:
             sums[(e.stage, e.kind)].append(e.duration)
     return {k: statistics.fmean(v) for k, v in sums.items()}
-
-
-def idle_time(timeline: mpmd.Timeline, rank: int) -> float:
-    """Time `rank` spent between its first and last task without running one."""
-    tasks = [e for e in timeline.tasks if e.rank == rank]
-    if not tasks:
-        return 0.0
-    span = max(e.end for e in tasks) - min(e.start for e in tasks)
-    return span - sum(e.duration for e in tasks)
 
 
 def main() -> None:
