@@ -98,6 +98,15 @@ class DeviceTimer {
   size_t start_ = 0;
 };
 
+// The first compute (or reduce) after receive `recv` of `code` that reads
+// it; code.size() if none does.
+size_t first_reader(const std::vector<Instruction>& code, size_t recv) {
+  for (size_t j = recv + 1; j < code.size(); ++j) {
+    if (schedule::reads(code[j], code[recv])) return j;
+  }
+  return code.size();
+}
+
 }  // namespace
 
 struct Executor::State {
@@ -194,13 +203,8 @@ Executor::Executor(int32_t rank, const schedule::Program& program,
       }
     }
     if (ins.op != Op::kRecv) continue;
-    // The first compute (or reduce) after the receive that reads it.
-    for (size_t j = i + 1; j < code_.size(); ++j) {
-      if (schedule::reads(code_[j], ins)) {
-        needs_[j].push_back(i);
-        break;
-      }
-    }
+    const size_t reader = first_reader(code_, i);
+    if (reader < code_.size()) needs_[reader].push_back(i);
   }
   for (const auto& [v, n] : local_consumers) {
     if (program_.rank_of(producer.at(v)) == rank_) {
@@ -248,9 +252,8 @@ void Executor::find_replies() {
              theirs[j].tag == send.tag)) {
       ++j;
     }
-    size_t k = j + 1;
-    while (k < theirs.size() && !schedule::reads(theirs[k], theirs[j])) ++k;
-    size_t m = k + 1;
+    if (j == theirs.size()) continue;
+    size_t m = first_reader(theirs, j) + 1;
     while (m < theirs.size() &&
            !(theirs[m].op == Op::kSend && theirs[m].peer == rank_)) {
       ++m;

@@ -42,10 +42,10 @@ def test_runners_on_a_local_world_match_gradient_accumulation_and_gather_timelin
         torch.testing.assert_close(out.loss, torch.stack(losses).double().mean())
 
     gathered = local._on_all(lambda r: r.gather_timeline())
-    fields = lambda e: (  # noqa: E731
-        *(e.rank, e.kind, e.stage, e.microbatch, e.start, e.end),
-        *(e.held_bytes, e.kept_bytes),
-    )
+
+    def fields(e: mpmd.TimelineEvent) -> tuple:
+        return (e.rank, e.kind, e.stage, e.microbatch, e.start, e.end, e.held_bytes, e.kept_bytes)
+
     expected = sorted(fields(e) for r in local.runners for e in r.timeline.events)
     assert len(expected) == 2 * pipe.num_stages * M  # an F and a B per stage and microbatch
     assert min(e[-1] for e in expected) > 0  # every task measured what it kept

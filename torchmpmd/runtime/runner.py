@@ -526,7 +526,15 @@ class PipelineRunner:
         rows = torch.tensor(
             [[peak, 0, 0, 0, 0, 0, 0]]
             + [
-                [kinds.index(e.kind), e.stage, e.microbatch, e.start, e.end, *e.bytes]
+                [
+                    kinds.index(e.kind),
+                    e.stage,
+                    e.microbatch,
+                    e.start,
+                    e.end,
+                    e.held_bytes,
+                    e.kept_bytes,
+                ]
                 for e in self.timeline.events
             ],
             dtype=torch.float64,

@@ -34,11 +34,6 @@ class TimelineEvent:
         return self.end - self.start
 
     @property
-    def bytes(self) -> tuple[int, int]:
-        """(held_bytes, kept_bytes)."""
-        return self.held_bytes, self.kept_bytes
-
-    @property
     def is_task(self) -> bool:
         return self.kind not in ("transfer", "wait")
 
