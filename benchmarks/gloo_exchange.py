@@ -1,9 +1,11 @@
-"""Plain torch.distributed Gloo send/receive times between 2 idle ranks, no
-torchmpmd: both ranks sending to each other at once ("both") against one
-direction ("one"). Shows the occasional multi-millisecond stall of a
-transfer that usually takes a fraction of a millisecond, the delay that
-hurts a pipeline split whose ranks exchange messages at the same moments
-(docs/architecture.md, "Known limit").
+"""Plain torch.distributed Gloo send/receive times between 2 idle ranks: both
+ranks sending to each other at once ("both") against one direction ("one"),
+with Gloo's event-loop threads under their normal scheduling policy and
+under SCHED_BATCH (what PipelineRunner sets, `torchmpmd.runtime.gloo_threads`),
+taken in turns. Under the normal policy a transfer that usually takes a
+fraction of a millisecond now and then stalls about 4 ms: the loop thread,
+woken on the CPU of a thread that holds its socket's lock, preempts it and
+spins on the lock until the next scheduler tick (docs/architecture.md).
 
     python benchmarks/gloo_exchange.py            # launches 2 ranks itself
 """
@@ -16,6 +18,10 @@ import time
 import torch
 import torch.distributed as dist
 from launch import launch
+
+from torchmpmd.runtime import gloo_threads
+
+POLICIES = ("normal", "batch")
 
 
 def main() -> None:
@@ -32,8 +38,10 @@ def main() -> None:
             out, into = torch.zeros(nbytes // 4), torch.zeros(nbytes // 4)
             sends = mode == "both" or rank == 0
             receives = mode == "both" or rank == 1
-            times = []
-            for _ in range(n):
+            times: dict[str, list[float]] = {p: [] for p in POLICIES}
+            for i in range(2 * n):
+                policy = POLICIES[i % 2]
+                hold = gloo_threads.BatchHold() if policy == "batch" else None
                 dist.barrier()
                 start = time.perf_counter()
                 send = dist.isend(out, peer) if sends else None
@@ -41,16 +49,19 @@ def main() -> None:
                     dist.irecv(into, peer).wait()
                 if send is not None:
                     send.wait()
-                times.append((time.perf_counter() - start) * 1e3)
-            times.sort()
-            if rank == 1:
-                slow = sum(t > 2 for t in times)
-                print(
-                    f"{nbytes} B, {mode:4}: median {times[n // 2]:.2f} ms, p90 "
-                    f"{times[9 * n // 10]:.2f} ms, p99 {times[99 * n // 100]:.2f} ms, max "
-                    f"{times[-1]:.2f} ms; over 2 ms: {slow} of {n}",
-                    flush=True,
-                )
+                times[policy].append((time.perf_counter() - start) * 1e3)
+                if hold is not None:
+                    hold.release()
+            for policy in POLICIES:
+                t = sorted(times[policy])
+                if rank == 1:
+                    slow = sum(x > 2 for x in t)
+                    print(
+                        f"{nbytes} B, {mode:4}, {policy:6}: median {t[n // 2]:.2f} ms, p90 "
+                        f"{t[9 * n // 10]:.2f} ms, p99 {t[99 * n // 100]:.2f} ms, max "
+                        f"{t[-1]:.2f} ms; over 2 ms: {slow} of {n}",
+                        flush=True,
+                    )
     dist.destroy_process_group()
 
 

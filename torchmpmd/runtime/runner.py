@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import math
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -21,12 +22,20 @@ from ..parallel.replicate import Replicate
 from ..schedule.program import Program
 from ..schedule.task import Schedule
 from ..schedule.timeline import Timeline, TimelineEvent, from_records
+from . import gloo_threads
 from .compiled import CompiledPipe, Options, signature_of, traced_signature
 from .fingerprint import check_in, describe
 from .materialize import init_weights
 from .microbatch import merge
 from .stages import Evaluation, LossFn, Step, Training
-from .transport import Transport, TransportError, all_gather, broadcast, c10d_transport
+from .transport import (
+    C10dTransport,
+    Transport,
+    TransportError,
+    all_gather,
+    broadcast,
+    c10d_transport,
+)
 
 __all__ = ["PipelineRunner", "StepOutput"]
 
@@ -72,6 +81,13 @@ class PipelineRunner:
     the activation sizes the simulator predicts memory with. Off by default:
     it adds a lock and a map update to every allocation.
 
+    On CPU over c10d (Gloo), `gloo_sched_batch=True` runs Gloo's socket
+    threads (`gloo_tcp_loop`) under SCHED_BATCH while the runner lives: a
+    normal one, woken while a thread holds its socket's lock, preempts that
+    thread and spins until the next scheduler tick, a 4 ms stall on a
+    0.2 ms transfer that ranks sending to each other at once meet often
+    (`torchmpmd.runtime.gloo_threads`). False leaves their policy alone.
+
     The ranks talk over `group` (a torch.distributed process group; default:
     the world) or any `transport` (`torchmpmd.runtime.transport`), e.g. the
     in-process one of `torchmpmd.testing`. Call `step` (and `eval_step`) on
@@ -98,6 +114,7 @@ class PipelineRunner:
         parallelize: Parallelize | None = None,
         bucket_bytes: int = 25 * 2**20,
         measure_memory: bool = False,
+        gloo_sched_batch: bool = True,
     ) -> None:
         require_pipe(pipe, "PipelineRunner")
         _check_options(timeout, compile, max_early_recvs)
@@ -118,6 +135,16 @@ class PipelineRunner:
                 "PipelineRunner: device='meta' cannot run a step; the meta device is for tracing "
                 "a model and for describing it (the runner allocates its stages on a real device)"
             )
+        # Gloo's loop threads under SCHED_BATCH while this runner lives (see
+        # the class docstring); each call covers loop threads made since.
+        self._gloo_hold: gloo_threads.BatchHold | None = None
+        if (
+            gloo_sched_batch
+            and self.device.type == "cpu"
+            and isinstance(self._transport, C10dTransport)
+        ):
+            self._gloo_hold = gloo_threads.BatchHold()
+            weakref.finalize(self, self._gloo_hold.release)
         self._timeout = (
             timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
         )
@@ -352,6 +379,8 @@ class PipelineRunner:
         from .. import __version__
 
         self._calls += 1
+        if self._gloo_hold is not None:
+            self._gloo_hold.cover()
         texts = None if self._checked_same_job else describe(self._pipe, self.program, __version__)
         self.communicated = True
         check_in(self._transport, self._timeout, self._calls, kind, texts)

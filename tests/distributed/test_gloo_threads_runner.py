@@ -1,0 +1,53 @@
+"""A PipelineRunner over Gloo runs Gloo's event-loop threads under
+SCHED_BATCH while it lives (`gloo_sched_batch`, on by default) and gives them
+their normal policy back once it is gone; False leaves them alone. Training
+is unchanged: the losses equal the unpipelined model's."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import torch
+from harness import check_all, run_ranks
+from pipeline_check import MLP, mlp_memory_case, square_loss
+
+import torchmpmd as mpmd
+from torchmpmd.runtime import gloo_threads
+
+M, WIDTH, DEPTH, BATCH = 4, 16, 4, 16
+
+
+def policies(rank, world):
+    pipe, x, y, _ = mlp_memory_case(WIDTH, DEPTH, BATCH, M)
+    tids = gloo_threads.loop_threads()
+    seen = {}
+    seen["before"] = {os.sched_getscheduler(t) for t in tids}
+    runner = mpmd.PipelineRunner(pipe, mpmd.schedules.OneFOneB(M), loss_fn=square_loss, timeout=60)
+    loss = runner.step(x, target=y).loss
+    seen["running"] = {os.sched_getscheduler(t) for t in tids}
+    del runner
+    gc.collect()
+    seen["after"] = {os.sched_getscheduler(t) for t in tids}
+    runner = mpmd.PipelineRunner(
+        pipe, mpmd.schedules.OneFOneB(M), loss_fn=square_loss, timeout=60, gloo_sched_batch=False
+    )
+    runner.step(x, target=y)
+    seen["opted out"] = {os.sched_getscheduler(t) for t in tids}
+    # The unpipelined model (mlp_memory_case's seed) over the same microbatches.
+    torch.manual_seed(0)
+    model = MLP(WIDTH, DEPTH).double()
+    ref = sum(square_loss(model(a), b) for a, b in zip(x.chunk(M), y.chunk(M), strict=True)) / M
+    return len(tids), seen, float(loss), float(ref)
+
+
+def test_runner_batches_gloo_loop_threads_while_it_lives():
+    for count, seen, loss, ref in check_all(run_ranks(policies, 2, deadline=120)):
+        assert count >= 1
+        assert seen == {
+            "before": {os.SCHED_OTHER},
+            "running": {os.SCHED_BATCH},
+            "after": {os.SCHED_OTHER},
+            "opted out": {os.SCHED_OTHER},
+        }
+        assert abs(loss - ref) <= 1e-12 * abs(ref)

@@ -1,0 +1,126 @@
+"""Gloo's socket threads under SCHED_BATCH while a pipeline runs over Gloo.
+
+Gloo (torch.distributed's CPU backend) moves a device's bytes on one event
+loop thread, named `gloo_tcp_loop`. The loop waits on its sockets
+level-triggered and only try-locks a socket's pair (`Pair::handleEvents`):
+when the lock is held, it returns and epoll hands it the same event again
+at once. So when data arrives for a pair while a thread of the same process
+is inside a Gloo send or receive on it (the pair's lock held), the loop
+thread, woken on that thread's CPU, preempts the lock holder and then spins
+on the lock until the scheduler takes the CPU back at its next tick: a
+transfer that takes 0.2 ms stalls about 4 ms. Ranks that send to each other
+at the same moments, as an evenly balanced pipeline does, meet it most
+(`python benchmarks/gloo_exchange.py` shows it without torchmpmd).
+
+SCHED_BATCH (Linux; no privilege needed) is the normal fair policy without
+wakeup preemption: the loop thread then runs when a CPU is free or at the
+next tick, never on top of the thread that holds its lock. While a
+`BatchHold` is active, the `gloo_tcp_loop` threads of this process run under
+it; when the last is released, the threads it changed get their normal
+policy back. Elsewhere (other systems, a Gloo whose threads have
+another name) it changes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+__all__ = ["BatchHold", "loop_threads"]
+
+LOOP_THREAD_NAME = "gloo_tcp_loop"
+
+_lock = threading.Lock()
+_holders = 0
+_changed: set[int] = set()  # thread ids this module set to SCHED_BATCH
+# Thread ids whose name is their own (not the creator's that a new thread
+# carries until it names itself): checked, not read again.
+_settled: set[int] = set()
+
+
+def loop_threads() -> list[int]:
+    """The thread ids of this process's Gloo event loops (empty off Linux).
+    A loop thread names itself once it runs, so one of a group made this
+    instant may not be listed yet."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    return [int(tid) for tid in tids if _name(int(tid)) == LOOP_THREAD_NAME]
+
+
+class BatchHold:
+    """Runs this process's Gloo loop threads under SCHED_BATCH until
+    `release()`: those alive when it is made, and those `cover()` finds later
+    (a group made since, or a loop thread that had not named itself yet).
+    Holds nest; the last release restores the normal policy of the threads
+    set to SCHED_BATCH here (a thread the user gave another policy is left
+    alone). Releasing twice is harmless."""
+
+    def __init__(self) -> None:
+        global _holders
+        self._released = False
+        with _lock:
+            _holders += 1
+        self.cover()
+
+    def cover(self) -> None:
+        """Sets loop threads not yet under SCHED_BATCH to it. Reads the name
+        of a thread only until it has one of its own (a new thread carries
+        its creator's until it names itself), so a call costs a directory
+        listing and a few reads."""
+        if not hasattr(os, "sched_setscheduler"):
+            return
+        with _lock:
+            if self._released:
+                return
+            try:
+                tids = {int(tid) for tid in os.listdir("/proc/self/task")}
+            except OSError:
+                return
+            _settled.intersection_update(tids)  # forget exited threads
+            unnamed = _name(os.getpid())
+            for tid in tids - _settled:
+                name = _name(tid)
+                if name == LOOP_THREAD_NAME:
+                    if _set_policy(tid, os.SCHED_OTHER, os.SCHED_BATCH):
+                        _changed.add(tid)
+                    _settled.add(tid)
+                elif name is not None and name != unnamed:
+                    _settled.add(tid)
+
+    def release(self) -> None:
+        global _holders
+        with _lock:
+            if self._released:
+                return
+            self._released = True
+            _holders -= 1
+            if _holders > 0:
+                return
+            for tid in _changed:
+                # A thread id may have been reused since: only a loop thread
+                # still under SCHED_BATCH is given its policy back.
+                if _name(tid) == LOOP_THREAD_NAME:
+                    _set_policy(tid, os.SCHED_BATCH, os.SCHED_OTHER)
+            _changed.clear()
+            _settled.clear()
+
+
+def _name(tid: int) -> str | None:
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:  # the thread has exited
+        return None
+
+
+def _set_policy(tid: int, expected: int, policy: int) -> bool:
+    """Sets `tid`'s policy if it is `expected` now; whether it did."""
+    try:
+        if os.sched_getscheduler(tid) != expected:
+            return False
+        os.sched_setscheduler(tid, policy, os.sched_param(0))
+    except OSError:  # exited, or not allowed
+        return False
+    return True
