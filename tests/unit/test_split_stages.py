@@ -52,3 +52,48 @@ def test_split_stages_step_without_a_target():
         mpmd.schedules.ZeroBubbleH1(M),
         3,
     )
+
+
+class BiasAndWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(3, 4, dtype=torch.float64))
+        self.weight = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x + self.bias) @ self.weight
+
+
+def test_weight_gradients_never_alias_what_w_was_given():
+    # d/d(bias) is W's input passed straight through (the gradient of x + bias):
+    # it must be copied into .grad, while the weight's fresh gradient may be
+    # taken as it is; either way later microbatches accumulate exactly.
+    from torchmpmd.graph.split import SplitStage
+
+    module = torch.fx.symbolic_trace(BiasAndWeight())
+    names = [n for n, _ in module.named_parameters()]
+
+    def fn(params, buffers, xs):
+        return [
+            torch.func.functional_call(module, dict(zip(names, params, strict=True)), tuple(xs))
+        ]
+
+    x = torch.randn(3, 4, dtype=torch.float64)
+    split = SplitStage(module, fn, [x], [0], None)
+    expected = {n: torch.zeros_like(p) for n, p in module.named_parameters()}
+    given = []
+    for _ in range(2):
+        x, g = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+        saved = split.forward([x])[1:]
+        _, for_w = split.input_grad(saved, [g])
+        split.weight_grad(for_w)
+        given += [t for t in for_w if isinstance(t, torch.Tensor)]
+        leaf = {n: p.detach().requires_grad_() for n, p in module.named_parameters()}
+        out = torch.func.functional_call(module, leaf, (x,))
+        for n, grad in zip(leaf, torch.autograd.grad(out, list(leaf.values()), g), strict=True):
+            expected[n] += grad
+    params = dict(module.named_parameters())
+    pointers = {t.untyped_storage().data_ptr() for t in [*given, *params.values()]}
+    for n, p in params.items():
+        torch.testing.assert_close(p.grad, expected[n], rtol=0, atol=1e-12)
+        assert p.grad.untyped_storage().data_ptr() not in pointers, n

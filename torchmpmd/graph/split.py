@@ -293,6 +293,23 @@ def split_joint(
     )
 
 
+def _own_storage(
+    g: torch.Tensor, p: torch.Tensor, taken: set[int], inputs: Sequence[torch.Tensor]
+) -> bool:
+    """Whether gradient `g` can become `p.grad` (detached) without a copy: it
+    fills its storage exactly, which is its own (not another gradient's, a
+    parameter's or an input's), and it is strided like the parameter. A view of a W result
+    (`t(t(mm))`) qualifies; its detached alias is not a view."""
+    if g.stride() != p.stride() or g.dtype != p.dtype or g.storage_offset() != 0:
+        return False
+    if g.untyped_storage().nbytes() != g.numel() * g.element_size():
+        return False
+    ptr = g.untyped_storage().data_ptr()
+    return ptr not in taken and all(
+        x.untyped_storage().data_ptr() != ptr for x in inputs if isinstance(x, torch.Tensor)
+    )
+
+
 class SplitStage:
     """One stage run as F / I / W graphs (see the module docstring)."""
 
@@ -401,11 +418,17 @@ class SplitStage:
     def weight_grad(self, saved_w: Sequence[torch.Tensor]) -> None:
         """Accumulates the weight gradients into the parameters' .grad."""
         grads = self._weight_grad(*self._state(), *saved_w)
+        taken: set[int] = set()
         for i, g in zip(self.joint.grad_params, grads, strict=True):
             if g is None:
                 continue
             p = self._params[i]
-            if p.grad is None:
-                p.grad = g.detach().clone()
-            else:
+            if p.grad is not None:
                 p.grad.add_(g)
+            elif _own_storage(g, p, taken, [*self._params, *self._buffers, *saved_w]):
+                # Like autograd's AccumulateGrad: a fresh gradient only W
+                # holds, laid out like its parameter, becomes .grad as it is.
+                p.grad = g.detach()
+            else:
+                p.grad = g.detach().clone()
+            taken.add(g.untyped_storage().data_ptr())
