@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every CPU benchmark in one go (about 9 minutes on 2 cores), side by side
+# Every CPU benchmark in one go (about 5 minutes on 2 cores), side by side
 # with torch.distributed.pipelining where it runs the same job. Writes
 # $OUT/results.json, $OUT/table.md and $OUT/timeline.png (default OUT:
 # out/benchmarks) and prints the table. Run on a quiet machine: every figure
