@@ -38,7 +38,7 @@ def main() -> None:
             out, into = torch.zeros(nbytes // 4), torch.zeros(nbytes // 4)
             sends = mode == "both" or rank == 0
             receives = mode == "both" or rank == 1
-            times: dict[str, list[float]] = {p: [] for p in POLICIES}
+            times: dict[str, list[float]] = {policy: [] for policy in POLICIES}
             for i in range(2 * n):
                 policy = POLICIES[i % 2]
                 hold = gloo_threads.BatchHold() if policy == "batch" else None

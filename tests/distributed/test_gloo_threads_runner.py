@@ -1,7 +1,8 @@
 """A PipelineRunner over Gloo runs Gloo's event-loop threads under
 SCHED_BATCH while it lives (`gloo_sched_batch`, on by default) and gives them
-their normal policy back once it is gone; False leaves them alone. Training
-is unchanged: the losses equal the unpipelined model's."""
+their normal policy back once it is collected; False, or a transport of the
+user's own, leaves them alone. Training is unchanged: the losses equal the
+unpipelined model's."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import gc
 import os
 
 import torch
+import torch.distributed as dist
 from harness import check_all, run_ranks
 from pipeline_check import MLP, mlp_memory_case, square_loss
 
 import torchmpmd as mpmd
-from torchmpmd.runtime import gloo_threads
+from torchmpmd.runtime import C10dTransport, gloo_threads
 
 M, WIDTH, DEPTH, BATCH = 4, 16, 4, 16
 
@@ -34,6 +36,16 @@ def policies(rank, world):
     )
     runner.step(x, target=y)
     seen["opted out"] = {os.sched_getscheduler(t) for t in tids}
+    del runner
+    runner = mpmd.PipelineRunner(
+        pipe,
+        mpmd.schedules.OneFOneB(M),
+        loss_fn=square_loss,
+        timeout=60,
+        transport=C10dTransport(dist.group.WORLD),
+    )
+    runner.step(x, target=y)
+    seen["own transport"] = {os.sched_getscheduler(t) for t in tids}
     # The unpipelined model (mlp_memory_case's seed) over the same microbatches.
     torch.manual_seed(0)
     model = MLP(WIDTH, DEPTH).double()
@@ -49,5 +61,6 @@ def test_runner_batches_gloo_loop_threads_while_it_lives():
             "running": {os.SCHED_BATCH},
             "after": {os.SCHED_OTHER},
             "opted out": {os.SCHED_OTHER},
+            "own transport": {os.SCHED_OTHER},
         }
         assert abs(loss - ref) <= 1e-12 * abs(ref)

@@ -6,6 +6,7 @@ it, and the last release gives the threads their normal policy back."""
 import os
 import time
 
+import pytest
 import torch.distributed as dist
 
 from torchmpmd.runtime import gloo_threads
@@ -33,12 +34,42 @@ def test_holds_nest_and_the_last_release_restores_the_normal_policy():
     group, tids = _gloo_group()
     assert _policies(tids) == {os.SCHED_OTHER}
     first = gloo_threads.BatchHold()
-    assert _policies(tids) == {os.SCHED_BATCH}
-    second = gloo_threads.BatchHold()
-    first.release()
-    first.release()  # a second release of the same hold changes nothing
-    assert _policies(tids) == {os.SCHED_BATCH}
-    second.release()
+    second = None
+    try:
+        assert _policies(tids) == {os.SCHED_BATCH}
+        second = gloo_threads.BatchHold()
+        first.release()
+        first.release()  # a second release of the same hold changes nothing
+        assert _policies(tids) == {os.SCHED_BATCH}
+    finally:
+        first.release()
+        if second is not None:
+            second.release()
+    assert _policies(tids) == {os.SCHED_OTHER}
+    del group
+
+
+@pytest.mark.timeout(60)
+def test_a_release_from_a_collection_inside_cover_does_not_deadlock():
+    # A runner's finalizer releases its hold whenever the garbage collector
+    # frees the runner, which may be inside another hold's cover().
+    group, tids = _gloo_group()
+    kept = gloo_threads.BatchHold()
+    inner = gloo_threads.BatchHold()
+    real_name = gloo_threads._name
+
+    def name_then_release(tid):
+        inner.release()  # re-enters the module lock on this thread
+        return real_name(tid)
+
+    gloo_threads._name = name_then_release
+    try:
+        gloo_threads._settled.clear()
+        kept.cover()
+    finally:
+        gloo_threads._name = real_name
+        inner.release()
+        kept.release()
     assert _policies(tids) == {os.SCHED_OTHER}
     del group
 

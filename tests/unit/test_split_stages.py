@@ -80,6 +80,14 @@ def test_weight_gradients_never_alias_what_w_was_given():
 
     x = torch.randn(3, 4, dtype=torch.float64)
     split = SplitStage(module, fn, [x], [0], None)
+    w_graph, w_outputs = split._weight_grad, []
+
+    def recorded(*args):
+        out = w_graph(*args)
+        w_outputs.append(out)
+        return out
+
+    split._weight_grad = recorded
     expected = {n: torch.zeros_like(p) for n, p in module.named_parameters()}
     given = []
     for _ in range(2):
@@ -97,3 +105,8 @@ def test_weight_gradients_never_alias_what_w_was_given():
     for n, p in params.items():
         torch.testing.assert_close(p.grad, expected[n], rtol=0, atol=1e-12)
         assert p.grad.untyped_storage().data_ptr() not in pointers, n
+    # The weight's gradient (a fresh matmul) was taken from W without a copy.
+    weight_from_w = w_outputs[0][names.index("weight")]
+    assert params["weight"].grad.untyped_storage().data_ptr() == (
+        weight_from_w.untyped_storage().data_ptr()
+    )

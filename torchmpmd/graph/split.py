@@ -293,21 +293,18 @@ def split_joint(
     )
 
 
-def _own_storage(
-    g: torch.Tensor, p: torch.Tensor, taken: set[int], inputs: Sequence[torch.Tensor]
-) -> bool:
-    """Whether gradient `g` can become `p.grad` (detached) without a copy: it
-    fills its storage exactly, which is its own (not another gradient's, a
-    parameter's or an input's), and it is strided like the parameter. A view of a W result
-    (`t(t(mm))`) qualifies; its detached alias is not a view."""
+def _own_storage(g: torch.Tensor, p: torch.Tensor, others: set[int]) -> bool:
+    """Whether gradient `g` can become `p.grad` (detached) without a copy: a
+    strided tensor that fills its storage exactly, strided like the
+    parameter, in a storage none of `others` (data pointers of the storages
+    of parameters, W's inputs and gradients taken before) uses. A view of a W
+    result (`t(t(mm))`) qualifies; its detached alias is not a view."""
+    if g.layout != torch.strided or p.layout != torch.strided:
+        return False
     if g.stride() != p.stride() or g.dtype != p.dtype or g.storage_offset() != 0:
         return False
-    if g.untyped_storage().nbytes() != g.numel() * g.element_size():
-        return False
-    ptr = g.untyped_storage().data_ptr()
-    return ptr not in taken and all(
-        x.untyped_storage().data_ptr() != ptr for x in inputs if isinstance(x, torch.Tensor)
-    )
+    storage = g.untyped_storage()
+    return storage.nbytes() == g.numel() * g.element_size() and storage.data_ptr() not in others
 
 
 class SplitStage:
@@ -371,6 +368,7 @@ class SplitStage:
         self._forward: Callable[..., Any] = self.joint.forward
         self._input_grad: Callable[..., Any] = self.joint.input_grad
         self._weight_grad: Callable[..., Any] = self.joint.weight_grad
+        self._compiled = compile_options is not None
         if compile_options is not None:
             self._forward = compiled(self._forward, compile_options)
             self._input_grad = compiled(self._input_grad, compile_options)
@@ -418,17 +416,28 @@ class SplitStage:
     def weight_grad(self, saved_w: Sequence[torch.Tensor]) -> None:
         """Accumulates the weight gradients into the parameters' .grad."""
         grads = self._weight_grad(*self._state(), *saved_w)
-        taken: set[int] = set()
+        # Storages a gradient must not take over (computed once, if needed).
+        others: set[int] | None = None
         for i, g in zip(self.joint.grad_params, grads, strict=True):
             if g is None:
                 continue
             p = self._params[i]
             if p.grad is not None:
                 p.grad.add_(g)
-            elif _own_storage(g, p, taken, [*self._params, *self._buffers, *saved_w]):
-                # Like autograd's AccumulateGrad: a fresh gradient only W
-                # holds, laid out like its parameter, becomes .grad as it is.
+                continue
+            if others is None:
+                others = {
+                    t.untyped_storage().data_ptr()
+                    for t in [*self._params, *self._buffers, *saved_w]
+                    if t.layout == torch.strided
+                }
+            # Like autograd's AccumulateGrad: a fresh gradient only W holds,
+            # laid out like its parameter, becomes .grad as it is. Not from a
+            # compiled W, whose outputs may live in a pool it reuses (CUDA
+            # graphs).
+            if not self._compiled and _own_storage(g, p, others):
                 p.grad = g.detach()
             else:
                 p.grad = g.detach().clone()
-            taken.add(g.untyped_storage().data_ptr())
+            if g.layout == torch.strided:
+                others.add(g.untyped_storage().data_ptr())

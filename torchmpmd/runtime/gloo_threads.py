@@ -10,7 +10,7 @@ thread, woken on that thread's CPU, preempts the lock holder and then spins
 on the lock until the scheduler takes the CPU back at its next tick: a
 transfer that takes 0.2 ms stalls about 4 ms. Ranks that send to each other
 at the same moments, as an evenly balanced pipeline does, meet it most
-(`python benchmarks/gloo_exchange.py` shows it without torchmpmd).
+(`python benchmarks/gloo_exchange.py` shows it on plain `dist.isend`/`irecv`).
 
 SCHED_BATCH (Linux; no privilege needed) is the normal fair policy without
 wakeup preemption: the loop thread then runs when a CPU is free or at the
@@ -25,28 +25,46 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 __all__ = ["BatchHold", "loop_threads"]
 
 LOOP_THREAD_NAME = "gloo_tcp_loop"
+# A new thread carries its creator's name until it names itself (a loop
+# thread does at once): a thread seen this long under another name is
+# taken as not a loop thread and not read again.
+SETTLE_S = 1.0
 
-_lock = threading.Lock()
+# Re-entrant: a runner's finalizer may release its hold from a garbage
+# collection that runs inside cover() on the same thread.
+_lock = threading.RLock()
 _holders = 0
+_generation = 0  # bumped in a forked child: holds made before are not its own
 _changed: set[int] = set()  # thread ids this module set to SCHED_BATCH
-# Thread ids whose name is their own (not the creator's that a new thread
-# carries until it names itself): checked, not read again.
-_settled: set[int] = set()
+_first_seen: dict[int, float] = {}  # thread ids not known yet, since when
+_settled: set[int] = set()  # thread ids checked, not read again
+
+
+def _after_fork_in_child() -> None:
+    # The child has only the forking thread: no loop threads, no holds.
+    global _lock, _holders, _generation
+    _lock = threading.RLock()
+    _holders = 0
+    _generation += 1
+    _changed.clear()
+    _first_seen.clear()
+    _settled.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def loop_threads() -> list[int]:
     """The thread ids of this process's Gloo event loops (empty off Linux).
     A loop thread names itself once it runs, so one of a group made this
     instant may not be listed yet."""
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return []
-    return [int(tid) for tid in tids if _name(int(tid)) == LOOP_THREAD_NAME]
+    return [tid for tid in _thread_ids() if _name(tid) == LOOP_THREAD_NAME]
 
 
 class BatchHold:
@@ -59,40 +77,42 @@ class BatchHold:
 
     def __init__(self) -> None:
         global _holders
-        self._released = False
         with _lock:
+            self._generation = _generation
+            self._released = False
             _holders += 1
         self.cover()
 
     def cover(self) -> None:
-        """Sets loop threads not yet under SCHED_BATCH to it. Reads the name
-        of a thread only until it has one of its own (a new thread carries
-        its creator's until it names itself), so a call costs a directory
-        listing and a few reads."""
+        """Sets loop threads not yet under SCHED_BATCH to it. A thread's name
+        is read only until it is known (`SETTLE_S`), so a call costs a
+        directory listing and the reads of new threads."""
         if not hasattr(os, "sched_setscheduler"):
             return
         with _lock:
-            if self._released:
+            if self._released or self._generation != _generation:
                 return
-            try:
-                tids = {int(tid) for tid in os.listdir("/proc/self/task")}
-            except OSError:
-                return
+            tids = _thread_ids()
             _settled.intersection_update(tids)  # forget exited threads
-            unnamed = _name(os.getpid())
+            for tid in list(_first_seen):
+                if tid not in tids:
+                    del _first_seen[tid]
+            now = time.monotonic()
             for tid in tids - _settled:
                 name = _name(tid)
                 if name == LOOP_THREAD_NAME:
                     if _set_policy(tid, os.SCHED_OTHER, os.SCHED_BATCH):
                         _changed.add(tid)
                     _settled.add(tid)
-                elif name is not None and name != unnamed:
+                    _first_seen.pop(tid, None)
+                elif now - _first_seen.setdefault(tid, now) >= SETTLE_S:
                     _settled.add(tid)
+                    del _first_seen[tid]
 
     def release(self) -> None:
         global _holders
         with _lock:
-            if self._released:
+            if self._released or self._generation != _generation:
                 return
             self._released = True
             _holders -= 1
@@ -104,7 +124,15 @@ class BatchHold:
                 if _name(tid) == LOOP_THREAD_NAME:
                     _set_policy(tid, os.SCHED_BATCH, os.SCHED_OTHER)
             _changed.clear()
+            _first_seen.clear()
             _settled.clear()
+
+
+def _thread_ids() -> set[int]:
+    try:
+        return {int(tid) for tid in os.listdir("/proc/self/task")}
+    except OSError:  # not Linux
+        return set()
 
 
 def _name(tid: int) -> str | None:

@@ -28,14 +28,7 @@ from .fingerprint import check_in, describe
 from .materialize import init_weights
 from .microbatch import merge
 from .stages import Evaluation, LossFn, Step, Training
-from .transport import (
-    C10dTransport,
-    Transport,
-    TransportError,
-    all_gather,
-    broadcast,
-    c10d_transport,
-)
+from .transport import Transport, TransportError, all_gather, broadcast, c10d_transport
 
 __all__ = ["PipelineRunner", "StepOutput"]
 
@@ -81,12 +74,13 @@ class PipelineRunner:
     the activation sizes the simulator predicts memory with. Off by default:
     it adds a lock and a map update to every allocation.
 
-    On CPU over c10d (Gloo), `gloo_sched_batch=True` runs Gloo's socket
-    threads (`gloo_tcp_loop`) under SCHED_BATCH while the runner lives: a
-    normal one, woken while a thread holds its socket's lock, preempts that
-    thread and spins until the next scheduler tick, a 4 ms stall on a
-    0.2 ms transfer that ranks sending to each other at once meet often
-    (`torchmpmd.runtime.gloo_threads`). False leaves their policy alone.
+    On CPU over a Gloo `group`, `gloo_sched_batch=True` runs the process's
+    Gloo socket threads (`gloo_tcp_loop`) under SCHED_BATCH until the runner
+    is garbage-collected: a normal one, woken while a thread holds its
+    socket's lock, preempts that thread and spins until the next scheduler
+    tick, a 4 ms stall on a 0.2 ms transfer that ranks sending to each other
+    at once meet often (`torchmpmd.runtime.gloo_threads`). False (or a
+    `transport=` of your own) leaves their policy alone.
 
     The ranks talk over `group` (a torch.distributed process group; default:
     the world) or any `transport` (`torchmpmd.runtime.transport`), e.g. the
@@ -135,13 +129,14 @@ class PipelineRunner:
                 "PipelineRunner: device='meta' cannot run a step; the meta device is for tracing "
                 "a model and for describing it (the runner allocates its stages on a real device)"
             )
-        # Gloo's loop threads under SCHED_BATCH while this runner lives (see
-        # the class docstring); each call covers loop threads made since.
+        # Gloo's loop threads under SCHED_BATCH until this runner is collected
+        # (see the class docstring); each call covers loop threads made since.
         self._gloo_hold: gloo_threads.BatchHold | None = None
         if (
             gloo_sched_batch
             and self.device.type == "cpu"
-            and isinstance(self._transport, C10dTransport)
+            and transport is None
+            and "gloo" in str(dist.get_backend(group))
         ):
             self._gloo_hold = gloo_threads.BatchHold()
             weakref.finalize(self, self._gloo_hold.release)
