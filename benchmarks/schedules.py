@@ -81,6 +81,33 @@ def stage_means(timelines: list[mpmd.Timeline]) -> dict[tuple[int, str], float]:
     return {k: statistics.fmean(v) for k, v in sums.items()}
 
 
+def split_backward_ratios(rows: list[dict[str, Any]], num_stages: int) -> list[dict[str, Any]]:
+    """Per stage, ZB-H1's I + W against 1F1B's B from the rows' mean task
+    times, and F + I + W against F + B (the split F builds no autograd graph)."""
+    means = {r["schedule"]: r["task_means_s"] for r in rows}
+    if "1F1B" not in means or "ZB-H1" not in means:
+        return []
+    zb, plain = means["ZB-H1"], means["1F1B"]
+    out = []
+    for s in range(num_stages):
+        if f"B{s}" not in plain or f"W{s}" not in zb:
+            continue
+        i, w, b = zb.get(f"I{s}", 0.0), zb[f"W{s}"], plain[f"B{s}"]
+        f_zb, f_plain = zb[f"F{s}"], plain[f"F{s}"]
+        out.append(
+            {
+                "stage": s,
+                "i_s": i,
+                "w_s": w,
+                "b_s": b,
+                "i_plus_w_over_b": (i + w) / b,
+                "f_over_f": f_zb / f_plain,
+                "f_i_w_over_f_b": (f_zb + i + w) / (f_plain + b),
+            }
+        )
+    return out
+
+
 def main() -> None:
     args = parse_args()
     dist.init_process_group("gloo")
@@ -180,6 +207,7 @@ def main() -> None:
     base = next((r["step_s"] for r in rows if r["schedule"] == "1F1B"), rows[0]["step_s"])
     for r in rows:
         r["over_1f1b"] = r["step_s"] / base
+    split_backward = split_backward_ratios(rows, world)
     if rank == 0:
         print(
             f"GPT {args.layers}x{args.dim}, {world} Gloo ranks, {m} microbatches of "
@@ -210,20 +238,15 @@ def main() -> None:
                     for a, b in zip(r["peak_bytes"], r["peak_simulated_bytes"], strict=True)
                 )
             )
-        split = {r["schedule"]: r["task_means_s"] for r in rows}
-        if "1F1B" in split and "ZB-H1" in split:
+        if split_backward:
             print("per stage, inside the runtime: I + W (ZB-H1) / B (1F1B)")
-            for s in range(world):
-                b_time = split["1F1B"].get(f"B{s}")
-                i_time, w_time = split["ZB-H1"].get(f"I{s}"), split["ZB-H1"].get(f"W{s}")
-                if b_time and i_time is not None and w_time is not None:
-                    print(
-                        f"  stage {s}: I {i_time * 1e3:.2f} + W {w_time * 1e3:.2f} = "
-                        f"{(i_time + w_time) * 1e3:.2f} ms vs B {b_time * 1e3:.2f} ms: "
-                        f"{(i_time + w_time) / b_time:.3f}"
-                    )
-                f_ratio = split["ZB-H1"].get(f"F{s}", 0.0) / split["1F1B"].get(f"F{s}", 1.0)
-                print(f"  stage {s}: F (ZB-H1) / F (1F1B) = {f_ratio:.3f}")
+        for sb in split_backward:
+            print(
+                f"  stage {sb['stage']}: I {sb['i_s'] * 1e3:.2f} + W {sb['w_s'] * 1e3:.2f} = "
+                f"{(sb['i_s'] + sb['w_s']) * 1e3:.2f} ms vs B {sb['b_s'] * 1e3:.2f} ms: "
+                f"{sb['i_plus_w_over_b']:.3f}"
+            )
+            print(f"  stage {sb['stage']}: F (ZB-H1) / F (1F1B) = {sb['f_over_f']:.3f}")
         if args.plot is not None and args.plot_schedule in runners:
             name = args.plot_schedule
             program = runners[name].program
@@ -243,7 +266,11 @@ def main() -> None:
             )
         if args.json is not None:
             args.json.write_text(
-                json.dumps({"config": vars(args), "rows": rows}, indent=1, default=str)
+                json.dumps(
+                    {"config": vars(args), "rows": rows, "split_backward": split_backward},
+                    indent=1,
+                    default=str,
+                )
             )
     dist.destroy_process_group()
 
