@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from copy import deepcopy
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT))  # the extension built in place (no install)
 from gpt import GPT, GPTConfig, split_points  # noqa: E402
 
 import torchmpmd as mpmd  # noqa: E402
@@ -135,20 +137,44 @@ def measure(
     row["plain_s"] = timed(plain, device, args.warmup, args.steps)
     row["torchmpmd_s"] = timed(ours, device, args.warmup, args.steps)
     row["torchmpmd_over_plain"] = row["torchmpmd_s"] / row["plain_s"]
+    return row
+
+
+def measure_pipelining(
+    model: torch.nn.Module,
+    cfg: GPTConfig,
+    points: list[str],
+    row: dict[str, Any],
+    m: int,
+    device: torch.device,
+    args: argparse.Namespace,
+) -> None:
+    """Adds torch.distributed.pipelining's step to `row` (or why it cannot run).
+    It gets a copy of the model: pipeline() rewrites the forward of the split
+    modules in place, which would change the model the other rows trace."""
+    b = row["microbatch_size"]
+    g = torch.Generator().manual_seed(b)
+    x = torch.randint(0, cfg.vocab_size, (m * b, cfg.seq_len), generator=g).to(device)
+    y = torch.randint(0, cfg.vocab_size, (m * b, cfg.seq_len), generator=g).to(device)
+    copy = deepcopy(model)
     try:
-        theirs = pipelining_step(model, points, x[:b], m, device)
+        theirs = pipelining_step(copy, points, x[:b], m, device)
         row["pipelining_s"] = timed(lambda: theirs(x, y), device, args.warmup, args.steps)
         row["pipelining_over_plain"] = row["pipelining_s"] / row["plain_s"]
-        model.zero_grad(set_to_none=True)
     except Exception as err:  # reported in the table: it cannot run this way
         row["pipelining_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
-    return row
+    finally:
+        del copy
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def main() -> None:
     args = parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
+        if device.index is None:  # set_device wants an index
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     cfg = GPTConfig(
         vocab_size=args.vocab,
@@ -163,10 +189,22 @@ def main() -> None:
     m = args.microbatches
     points = split_points(cfg, args.stages)
     rows: list[dict[str, Any]] = []
+
+    def save() -> None:  # after every figure: a later hang or timeout keeps the rest
+        if args.json is not None:
+            args.json.write_text(
+                json.dumps({"config": vars(args), "rows": rows}, indent=1, default=str)
+            )
+
     for b in [int(s) for s in args.sizes.split(",")]:
         row = measure(model, cfg, points, b, m, device, args)
         rows.append(row)
         print(json.dumps(row), flush=True)
+        save()
+    for row in rows:  # last: a hang inside pipelining loses none of torchmpmd's figures
+        measure_pipelining(model, cfg, points, row, m, device, args)
+        print(json.dumps(row), flush=True)
+        save()
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(
@@ -186,10 +224,6 @@ def main() -> None:
         print(
             f"{r['microbatch_size']:7d} {r['plain_s'] * 1e3:7.1f}ms {r['torchmpmd_s'] * 1e3:8.1f}ms "
             f"{r['torchmpmd_over_plain']:6.3f} {theirs}"
-        )
-    if args.json is not None:
-        args.json.write_text(
-            json.dumps({"config": vars(args), "rows": rows}, indent=1, default=str)
         )
 
 

@@ -74,7 +74,8 @@ class DeviceTimer {
 
   // Waits (on the host, polling) until the device reached the last mark,
   // at most until `deadline`; false if it did not. `stop` is called while
-  // waiting and may throw (an abort).
+  // waiting and may throw (an abort). Polls at least every 50 us: the step
+  // ends when the device does, and a longer nap would add to every step.
   template <typename Stop>
   bool reached_end(Clock::time_point deadline, Stop stop) const {
     return poll_until(
@@ -83,7 +84,7 @@ class DeviceTimer {
           stop();
           return false;
         },
-        deadline);
+        deadline, std::chrono::microseconds(50));
   }
 
   // Nanoseconds from the step's start to mark `i` (the device reached it).
@@ -823,6 +824,9 @@ void Executor::execute(size_t pc, State& st) {
 void Executor::finish_on_device(State& st) {
   // Receives were stream waits: a dead peer shows as device work that never
   // ends. Bound it by the timeout (and any abort) before reading the times.
+  // A mark of its own: the last task's came before the sends' stream waits
+  // (reap_sends), which the step's end must cover too.
+  st.device->mark();
   const auto deadline = Clock::now() + options_.timeout;
   const bool done = st.device->reached_end(deadline, [this] {
     if (auto reason = transport_->abort_reason()) {

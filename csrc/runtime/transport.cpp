@@ -134,9 +134,9 @@ class C10dRequest : public Request, public Interruptible {
  private:
   void finish() {
     if (done_) return;
-    if (!work_->isSuccess()) {
-      throw TransportError(describe_exception(work_->exception()),
-                           Kind::kFailed);
+    // Not isSuccess(): NCCL's work throws on it (deprecated there).
+    if (const std::exception_ptr e = work_->exception()) {
+      throw TransportError(describe_exception(e), Kind::kFailed);
     }
     work_->wait();  // orders the current stream after the transfer (CUDA)
     done_ = true;
@@ -350,7 +350,17 @@ class LocalRecv : public Request {
       }
       return false;
     }
-    out_.copy_(it->second.front());
+    LocalWorld::Message& message = it->second.front();
+    if (message.ready) {
+      // Ranks as threads may run on different streams: this one waits for
+      // the sender's copy, and the copy's memory is not reused before this
+      // stream is done reading it (it is freed here, on another thread).
+      const c10::impl::VirtualGuardImpl impl(out_.device().type());
+      const c10::Stream stream = impl.getStream(out_.device());
+      message.ready->block(stream);
+      impl.recordDataPtrOnStream(message.tensor.storage().data_ptr(), stream);
+    }
+    out_.copy_(message.tensor);
     it->second.pop_front();
     if (it->second.empty()) world_->mailbox_.erase(it);
     done_ = true;
@@ -366,9 +376,15 @@ class LocalRecv : public Request {
 std::unique_ptr<Request> LocalTransport::isend(const at::Tensor& tensor,
                                                int peer, int64_t tag) {
   abort_state()->check();
+  LocalWorld::Message message{tensor.clone(), std::nullopt};
+  if (!tensor.is_cpu() && !tensor.is_meta()) {
+    const c10::impl::VirtualGuardImpl impl(tensor.device().type());
+    message.ready.emplace(tensor.device().type());
+    message.ready->record(impl.getStream(tensor.device()));
+  }
   {
     std::lock_guard<std::mutex> lock(world_->mutex_);
-    world_->mailbox_[{rank_, peer, tag}].push_back(tensor.clone());
+    world_->mailbox_[{rank_, peer, tag}].push_back(std::move(message));
   }
   world_->arrived_.notify_all();
   return std::make_unique<DoneRequest>();

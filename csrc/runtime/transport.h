@@ -8,6 +8,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
 
 #include <algorithm>
 #include <atomic>
@@ -80,16 +81,18 @@ class Request {
 };
 
 // Calls `done` with a growing pause between calls (1 us doubling to
-// 500 us) until it returns true (then true) or `deadline` passes (then
+// `max_pause`) until it returns true (then true) or `deadline` passes (then
 // false). For host waits on device work, which has no blocking wait with
 // a timeout.
 template <typename Done>
-bool poll_until(Done done, std::chrono::steady_clock::time_point deadline) {
+bool poll_until(
+    Done done, std::chrono::steady_clock::time_point deadline,
+    std::chrono::microseconds max_pause = std::chrono::microseconds(500)) {
   auto pause = std::chrono::microseconds(1);
   while (!done()) {
     if (std::chrono::steady_clock::now() >= deadline) return false;
     std::this_thread::sleep_for(pause);
-    pause = std::min(pause * 2, std::chrono::microseconds(500));
+    pause = std::min(pause * 2, max_pause);
   }
   return true;
 }
@@ -197,10 +200,16 @@ class LocalWorld : public std::enable_shared_from_this<LocalWorld> {
   friend class LocalTransport;
   friend class LocalRecv;
   using Key = std::tuple<int, int, int64_t>;  // src, dst, tag
+  // A sent tensor's copy; on a device, with an event recorded behind the
+  // copy on the sender's stream (the receiver's stream waits for it).
+  struct Message {
+    at::Tensor tensor;
+    std::optional<c10::Event> ready;
+  };
   const int size_;
   std::mutex mutex_;
   std::condition_variable arrived_;
-  std::map<Key, std::deque<at::Tensor>> mailbox_;  // FIFO per key, as Gloo
+  std::map<Key, std::deque<Message>> mailbox_;  // FIFO per key, as Gloo
   std::set<int> dead_;
   // Shared by every rank's transport: one rank's fail() aborts them all.
   std::shared_ptr<AbortState> abort_ = std::make_shared<AbortState>();

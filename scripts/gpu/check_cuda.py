@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT))  # the extension built in place (no install)
 from gpt import GPT, GPTConfig, split_points  # noqa: E402
 
 import torchmpmd as mpmd  # noqa: E402

@@ -64,3 +64,27 @@ def test_runner_batches_gloo_loop_threads_while_it_lives():
             "own transport": {os.SCHED_OTHER},
         }
         assert abs(loss - ref) <= 1e-12 * abs(ref)
+
+
+def default_backend(rank, world, store):
+    # init_process_group() without a backend: get_backend says 'undefined',
+    # the backend config 'cpu:gloo'. Still a Gloo group on the CPU.
+    dist.destroy_process_group()
+    dist.init_process_group(init_method=f"file://{store}", rank=rank, world_size=world)
+    pipe, x, y, _ = mlp_memory_case(WIDTH, DEPTH, BATCH, M)
+    runner = mpmd.PipelineRunner(pipe, mpmd.schedules.OneFOneB(M), loss_fn=square_loss, timeout=60)
+    loss = runner.step(x, target=y).loss
+    running = {os.sched_getscheduler(t) for t in gloo_threads.loop_threads()}
+    torch.manual_seed(0)
+    model = MLP(WIDTH, DEPTH).double()
+    ref = sum(square_loss(model(a), b) for a, b in zip(x.chunk(M), y.chunk(M), strict=True)) / M
+    return str(dist.get_backend()), runner.device.type, running, float(loss), float(ref.detach())
+
+
+def test_runner_on_a_group_made_without_naming_gloo(tmp_path):
+    results = check_all(run_ranks(default_backend, 2, str(tmp_path / "store"), deadline=120))
+    for backend, device, running, loss, ref in results:
+        assert backend == "undefined"  # what made the old check miss it
+        assert device == "cpu"
+        assert running == {os.SCHED_BATCH}
+        assert abs(loss - ref) <= 1e-12 * abs(ref)

@@ -86,19 +86,25 @@ _KINDS = ("step", "eval_step")
 
 
 def check_in(
-    transport: Transport, timeout: float, call: int, kind: str, texts: list[str] | None
+    transport: Transport,
+    timeout: float,
+    call: int,
+    kind: str,
+    texts: list[str] | None,
+    device: torch.device | None = None,
 ) -> None:
     """Every rank is at the same call (`call`-th step or eval_step) and, when
     `texts` is given (the first call), was given the same job. One small
-    exchange per call; raises on every rank, naming what differs."""
+    exchange per call, of tensors on `device` (the one the transport carries:
+    CUDA for NCCL); raises on every rank, naming what differs."""
     me = transport.rank
     if texts is None:
         # Later calls: each rank compares with its neighbours in rank order,
         # a connected chain, one fixed-size message each way per pair.
-        _check_neighbours(transport, timeout, call, kind)
+        _check_neighbours(transport, timeout, call, kind, device)
         return
     hashes = [_hash(t) for t in texts]
-    mine = torch.tensor([[call, _KINDS.index(kind), *hashes]], dtype=torch.int64)
+    mine = torch.tensor([[call, _KINDS.index(kind), *hashes]], dtype=torch.int64, device=device)
     rows = [r.reshape(-1).tolist() for r in all_gather(transport, mine, timeout)]
     for i, field in enumerate(FIELDS):
         differ = [r for r, row in enumerate(rows) if row[2 + i] != rows[0][2 + i]]
@@ -128,13 +134,15 @@ def _same_call(me: int, call: int, kind: str, peer: int, theirs: list[int]) -> N
 _CHECK_TAG = 0x7FFF0100  # outside the tags programs use
 
 
-def _check_neighbours(transport: Transport, timeout: float, call: int, kind: str) -> None:
+def _check_neighbours(
+    transport: Transport, timeout: float, call: int, kind: str, device: torch.device | None
+) -> None:
     """Exchanges (call, kind) with rank - 1 and rank + 1, in the global pair
     order (0, 1), (1, 2), ...: the first unfinished pair always has both ends
     ready, so blocking sends cannot deadlock."""
     me, size = transport.rank, transport.size
-    mine = torch.tensor([call, _KINDS.index(kind)], dtype=torch.int64)
-    theirs = torch.empty(2, dtype=torch.int64)
+    mine = torch.tensor([call, _KINDS.index(kind)], dtype=torch.int64, device=device)
+    theirs = torch.empty(2, dtype=torch.int64, device=device)
     if me > 0:  # the higher end of (me - 1, me): receive, then send
         transport.recv(theirs, me - 1, _CHECK_TAG, timeout)
         transport.send(mine, me - 1, _CHECK_TAG, timeout)

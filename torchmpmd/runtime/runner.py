@@ -136,7 +136,7 @@ class PipelineRunner:
             gloo_sched_batch
             and self.device.type == "cpu"
             and transport is None
-            and "gloo" in str(dist.get_backend(group))
+            and "gloo" in _backends(group)
         ):
             self._gloo_hold = gloo_threads.BatchHold()
             weakref.finalize(self, self._gloo_hold.release)
@@ -378,7 +378,7 @@ class PipelineRunner:
             self._gloo_hold.cover()
         texts = None if self._checked_same_job else describe(self._pipe, self.program, __version__)
         self.communicated = True
-        check_in(self._transport, self._timeout, self._calls, kind, texts)
+        check_in(self._transport, self._timeout, self._calls, kind, texts, self.device)
         self._checked_same_job = True
 
     def init_weights(self, fn: Callable[[torch.nn.Module], object]) -> None:
@@ -792,10 +792,22 @@ def _pick_device(
     device: torch.device | str | None, group: dist.ProcessGroup | None, *, c10d: bool
 ) -> torch.device:
     if device is not None:
-        return torch.device(device)
-    if c10d and dist.get_backend(group) == "nccl":
+        device = torch.device(device)
+        if device == torch.device("cuda"):  # no index: this process's current GPU
+            return torch.device("cuda", torch.cuda.current_device())
+        return device
+    if c10d and "nccl" in _backends(group) and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _backends(group: dist.ProcessGroup | None) -> str:
+    """The group's backends by device, e.g. 'cpu:gloo,cuda:nccl': a group made
+    without naming a backend reports 'undefined' from get_backend."""
+    try:
+        return str(dist.get_backend_config(group)).lower()
+    except (AttributeError, ValueError, RuntimeError):
+        return str(dist.get_backend(group)).lower()
 
 
 def _done(value: _T | None) -> _T:

@@ -227,7 +227,10 @@ class Training:
         split = self._stages[mb].split_graphs[stage]
         if isinstance(split, AutogradSplit):
             last = stage == self._stages[mb].last
-            return split.input_grad(mb, [*grads, torch.ones(())] if last else list(grads))
+            return split.input_grad(
+                mb,
+                [*grads, torch.ones((), device=self._stages[mb].device)] if last else list(grads),
+            )
         input_grads, for_w = split.input_grad(saved, grads)
         return [*input_grads, *for_w]
 
