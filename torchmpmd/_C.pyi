@@ -250,6 +250,9 @@ class runtime:
     class PipelineError(RuntimeError): ...
     class TransportError(RuntimeError): ...
 
+    @staticmethod
+    def keep_freed_memory(mmap_threshold: int, trim_threshold: int) -> tuple[bool, str]: ...
+
     class Transport:
         rank: int
         size: int

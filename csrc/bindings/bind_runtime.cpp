@@ -6,6 +6,7 @@
 
 #include "bindings/bindings.h"
 #include "runtime/executor.h"
+#include "runtime/heap.h"
 
 namespace py = pybind11;
 
@@ -244,6 +245,16 @@ void bind_runtime(py::module_ m) {
           "The tasks of the last run: (kind, stage, microbatch, start_ns, "
           "end_ns, waited_ns, held_bytes, kept_bytes); bytes -1 when not "
           "measured.");
+
+  m.def(
+      "keep_freed_memory",
+      [](std::size_t mmap_threshold, std::size_t trim_threshold) {
+        const HeapPolicy p = keep_freed_memory(mmap_threshold, trim_threshold);
+        return std::make_pair(p.applied, p.reason);
+      },
+      py::arg("mmap_threshold"), py::arg("trim_threshold"),
+      "Fixes glibc malloc's mmap and trim thresholds (process-wide, for "
+      "good): freed memory stays in the heap. Returns (applied, why not).");
 }
 
 }  // namespace torchmpmd::bindings

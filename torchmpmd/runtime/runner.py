@@ -22,7 +22,7 @@ from ..parallel.replicate import Replicate
 from ..schedule.program import Program
 from ..schedule.task import Schedule
 from ..schedule.timeline import Timeline, TimelineEvent, from_records
-from . import gloo_threads
+from . import gloo_threads, heap
 from .compiled import CompiledPipe, Options, signature_of, traced_signature
 from .fingerprint import check_in, describe
 from .materialize import init_weights
@@ -82,6 +82,14 @@ class PipelineRunner:
     at once meet often (`torchmpmd.runtime.gloo_threads`). False (or a
     `transport=` of your own) leaves their policy alone.
 
+    On CPU, `keep_freed_memory=True` fixes glibc malloc's mmap and trim
+    thresholds (32 MiB, 1 GiB) for the process, so the memory a microbatch
+    frees stays in the heap for the next instead of going back to the
+    kernel and returning as page faults (a split backward's I paid 6% for
+    them; `torchmpmd.runtime.heap`). For good, once per process; nothing
+    changes where you set malloc's thresholds yourself (`MALLOC_*_`,
+    `GLIBC_TUNABLES`) or malloc is not glibc's. False leaves malloc alone.
+
     The ranks talk over `group` (a torch.distributed process group; default:
     the world) or any `transport` (`torchmpmd.runtime.transport`), e.g. the
     in-process one of `torchmpmd.testing`. Call `step` (and `eval_step`) on
@@ -109,6 +117,7 @@ class PipelineRunner:
         bucket_bytes: int = 25 * 2**20,
         measure_memory: bool = False,
         gloo_sched_batch: bool = True,
+        keep_freed_memory: bool = True,
     ) -> None:
         require_pipe(pipe, "PipelineRunner")
         _check_options(timeout, compile, max_early_recvs)
@@ -140,6 +149,8 @@ class PipelineRunner:
         ):
             self._gloo_hold = gloo_threads.BatchHold()
             weakref.finalize(self, self._gloo_hold.release)
+        if keep_freed_memory and self.device.type == "cpu":
+            heap.keep_freed_memory()
         self._timeout = (
             timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
         )

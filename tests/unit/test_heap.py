@@ -1,0 +1,85 @@
+"""A CPU runner keeps the memory a microbatch frees in the heap (glibc's
+mmap and trim thresholds fixed high), so the next microbatch's tensors do not
+come back as page faults; a user's own malloc settings and
+keep_freed_memory=False leave malloc alone. Each case runs in a fresh
+process: the policy is process-wide and for good."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+CHILD = textwrap.dedent(
+    """
+    import json, resource, sys
+    import torch
+    import torchmpmd as mpmd
+    from torchmpmd.runtime import LocalWorld, heap
+
+    how = sys.argv[1]
+    applied = None
+    if how == "call":
+        applied = heap.keep_freed_memory()
+    elif how in ("runner", "runner off"):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        pipe = mpmd.trace(model, (torch.zeros(2, 4),), split_before=["1"])
+        mpmd.PipelineRunner(
+            pipe,
+            mpmd.schedules.GPipe(2),
+            transport=LocalWorld(1).transport(0),
+            loss_fn=lambda out, y: out.sum(),
+            keep_freed_memory=how == "runner",
+        )
+
+    def one_round():
+        # What a microbatch does: many 1 MiB tensors, written, then freed;
+        # 96 MiB in all, over any trim threshold glibc adapts to (64 MiB).
+        kept = [torch.empty(2**18).fill_(1.0) for _ in range(96)]
+        del kept
+
+    one_round()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(3):
+        one_round()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    print(json.dumps({"faults": faults, "applied": applied}))
+    """
+)
+
+# 3 rounds of 96 MiB are 73728 pages if every one faults again.
+PAGES = 3 * 96 * 2**20 // 4096
+
+
+def _run(how, **env):
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUN"))}
+    full.update(env)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, how],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None,
+    reason="glibc's malloc only",
+)
+def test_freed_memory_stays_in_the_heap():
+    default = _run("none")
+    assert default["faults"] > PAGES // 2  # glibc's own thresholds: pages go and come back
+    called = _run("call")
+    assert called["applied"] is True
+    assert called["faults"] < PAGES // 20
+    assert _run("runner")["faults"] < PAGES // 20  # a CPU runner applies it
+    assert _run("runner off")["faults"] > PAGES // 2  # keep_freed_memory=False
+    # The user's own choice of thresholds is left alone.
+    tuned = _run("call", MALLOC_TRIM_THRESHOLD_="131072")
+    assert tuned["applied"] is False
+    assert tuned["faults"] > PAGES // 2
