@@ -25,7 +25,7 @@ import threading
 
 from .. import _C
 
-__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "keep_freed_memory", "user_tuned"]
+__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "applied", "keep_freed_memory", "user_tuned"]
 
 MMAP_THRESHOLD = 32 * 2**20  # glibc's maximum on 64-bit systems
 TRIM_THRESHOLD = 2**30
@@ -59,3 +59,9 @@ def keep_freed_memory() -> bool:
         applied, _ = _C.runtime.keep_freed_memory(MMAP_THRESHOLD, TRIM_THRESHOLD)
         _state["applied"] = "yes" if applied else "no"
         return bool(applied)
+
+
+def applied() -> bool:
+    """Whether this process's malloc thresholds are this module's."""
+    with _lock:
+        return _state["applied"] == "yes"
