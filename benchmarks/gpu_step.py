@@ -100,6 +100,17 @@ def pipelining_step(
     return step
 
 
+def batch(
+    cfg: GPTConfig, b: int, m: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and targets of `m` microbatches of size `b` (the same for every
+    runner measured at that size)."""
+    g = torch.Generator().manual_seed(b)
+    x = torch.randint(0, cfg.vocab_size, (m * b, cfg.seq_len), generator=g).to(device)
+    y = torch.randint(0, cfg.vocab_size, (m * b, cfg.seq_len), generator=g).to(device)
+    return x, y
+
+
 def measure(
     model: torch.nn.Module,
     cfg: GPTConfig,
@@ -110,9 +121,7 @@ def measure(
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     """One microbatch size: plain loop, torchmpmd, pipelining (if it runs)."""
-    g = torch.Generator().manual_seed(b)
-    x = torch.randint(0, cfg.vocab_size, (m * b, cfg.seq_len), generator=g).to(device)
-    y = torch.randint(0, cfg.vocab_size, (m * b, cfg.seq_len), generator=g).to(device)
+    x, y = batch(cfg, b, m, device)
 
     def plain() -> None:
         for xm, ym in zip(x.chunk(m), y.chunk(m), strict=True):
@@ -153,9 +162,7 @@ def measure_pipelining(
     It gets a copy of the model: pipeline() rewrites the forward of the split
     modules in place, which would change the model the other rows trace."""
     b = row["microbatch_size"]
-    g = torch.Generator().manual_seed(b)
-    x = torch.randint(0, cfg.vocab_size, (m * b, cfg.seq_len), generator=g).to(device)
-    y = torch.randint(0, cfg.vocab_size, (m * b, cfg.seq_len), generator=g).to(device)
+    x, y = batch(cfg, b, m, device)
     copy = deepcopy(model)
     try:
         theirs = pipelining_step(copy, points, x[:b], m, device)

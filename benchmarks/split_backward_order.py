@@ -4,7 +4,7 @@ back to back, or as I with W one microbatch late (ZB-H1's order on its last
 rank), timed from the runtime's own timeline, side by side in one run.
 
     python benchmarks/split_backward_order.py
-    GLIBC_TUNABLES=... python benchmarks/split_backward_order.py --keep-freed-memory off
+    python benchmarks/split_backward_order.py --keep-freed-memory off
 
 With `--keep-freed-memory off` the runner leaves glibc's adaptive malloc
 thresholds alone: I + W then pays page faults that B does not
@@ -20,10 +20,10 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from gpt import GPT, GPTConfig, split_points
+from schedules import lm_loss, stage_means
 
 import torchmpmd as mpmd
 from torchmpmd.runtime import LocalWorld
@@ -60,10 +60,6 @@ class LastStageOrder(mpmd.Schedule):
         return [order]
 
 
-def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--microbatches", type=int, default=8)
@@ -98,12 +94,9 @@ def main() -> None:
                 param.grad = None
             if i < 3:
                 continue
-            per: dict[str, list[float]] = defaultdict(list)
-            for e in runner.gather_timeline().tasks:
-                if e.stage == 1:
-                    per[e.kind].append(e.duration)
-            for task, durations in per.items():
-                means[(kind, task)].append(statistics.fmean(durations))
+            for (stage, task), mean in stage_means([runner.gather_timeline()]).items():
+                if stage == 1:
+                    means[(kind, task)].append(mean)
     med = {k: statistics.median(v) * 1e3 for k, v in means.items()}
     b_ms = med[("B", "B")]
     print(

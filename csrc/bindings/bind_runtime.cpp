@@ -246,15 +246,10 @@ void bind_runtime(py::module_ m) {
           "end_ns, waited_ns, held_bytes, kept_bytes); bytes -1 when not "
           "measured.");
 
-  m.def(
-      "keep_freed_memory",
-      [](std::size_t mmap_threshold, std::size_t trim_threshold) {
-        const HeapPolicy p = keep_freed_memory(mmap_threshold, trim_threshold);
-        return std::make_pair(p.applied, p.reason);
-      },
-      py::arg("mmap_threshold"), py::arg("trim_threshold"),
-      "Fixes glibc malloc's mmap and trim thresholds (process-wide, for "
-      "good): freed memory stays in the heap. Returns (applied, why not).");
+  m.def("keep_freed_memory", &keep_freed_memory, py::arg("mmap_threshold"),
+        py::arg("trim_threshold"),
+        "Fixes glibc malloc's mmap and trim thresholds (process-wide, for "
+        "good): freed memory stays in the heap. Whether it did.");
 }
 
 }  // namespace torchmpmd::bindings

@@ -11,20 +11,14 @@
 #pragma once
 
 #include <cstddef>
-#include <string>
 
 namespace torchmpmd::runtime {
-
-struct HeapPolicy {
-  bool applied = false;  // false: not glibc, or glibc refused a value
-  std::string reason;    // why not, when not applied
-};
 
 // Blocks up to `mmap_threshold` bytes come from the heap (glibc caps it
 // at 32 MiB on 64-bit systems); up to `trim_threshold` free bytes at the
 // heap's top stay in the process. Process-wide and for good: glibc has no
-// way back to its adaptive thresholds.
-HeapPolicy keep_freed_memory(std::size_t mmap_threshold,
-                             std::size_t trim_threshold);
+// way back to its adaptive thresholds. False where malloc is not glibc's,
+// a value is over INT_MAX (mallopt takes an int) or glibc refused it.
+bool keep_freed_memory(std::size_t mmap_threshold, std::size_t trim_threshold);
 
 }  // namespace torchmpmd::runtime

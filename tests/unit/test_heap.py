@@ -29,7 +29,7 @@ CHILD = textwrap.dedent(
     how = sys.argv[1]
     returned = None
     if how == "native":  # the thresholds, set whatever the environment says
-        returned = _C.runtime.keep_freed_memory(heap.MMAP_THRESHOLD, heap.TRIM_THRESHOLD)[0]
+        returned = _C.runtime.keep_freed_memory(heap.MMAP_THRESHOLD, heap.TRIM_THRESHOLD)
     elif how == "call":
         returned = heap.keep_freed_memory()
     elif how in ("runner", "runner off"):

@@ -31,7 +31,8 @@ MMAP_THRESHOLD = 32 * 2**20  # glibc's maximum on 64-bit systems
 TRIM_THRESHOLD = 2**30
 
 _lock = threading.Lock()
-_state: dict[str, str | None] = {"applied": None}  # None: not tried yet
+_tried = False  # keep_freed_memory ran in this process
+_applied = False  # and set the thresholds
 
 
 def user_tuned() -> str | None:
@@ -50,18 +51,16 @@ def user_tuned() -> str | None:
 def keep_freed_memory() -> bool:
     """Fixes glibc malloc's thresholds (see the module docstring); True if
     they are this module's now (this call or an earlier one)."""
+    global _tried, _applied
     with _lock:
-        if _state["applied"] is not None:
-            return _state["applied"] == "yes"
-        if user_tuned() is not None:
-            _state["applied"] = "no"
-            return False
-        applied, _ = _C.runtime.keep_freed_memory(MMAP_THRESHOLD, TRIM_THRESHOLD)
-        _state["applied"] = "yes" if applied else "no"
-        return bool(applied)
+        if not _tried:
+            _tried = True
+            _applied = user_tuned() is None and _C.runtime.keep_freed_memory(
+                MMAP_THRESHOLD, TRIM_THRESHOLD
+            )
+        return _applied
 
 
 def applied() -> bool:
     """Whether this process's malloc thresholds are this module's."""
-    with _lock:
-        return _state["applied"] == "yes"
+    return _applied
