@@ -334,5 +334,6 @@ class runtime:
             weight_grad: Callable[[int, int, list[torch.Tensor]], None] | None = None,
             shapes: dict[tuple[int, int], list[int]] = ...,
             stage_done: Callable[[int], None] | None = None,
+            replay_rng: bool = True,
         ) -> None: ...
         def records(self) -> list[tuple[str, int, int, int, int, int, int, int]]: ...

@@ -198,11 +198,12 @@ void bind_runtime(py::module_ m) {
           [](Executor& e, py::function forward, py::object input_grad,
              py::object weight_grad,
              std::map<std::pair<int32_t, int32_t>, std::vector<int64_t>> shapes,
-             py::object stage_done) {
+             py::object stage_done, bool replay_rng) {
             runtime::StageFunctions fns =
                 wrap_functions(std::move(forward), std::move(input_grad),
                                std::move(weight_grad));
             fns.shapes = std::move(shapes);
+            fns.replay_rng = replay_rng;
             if (!stage_done.is_none()) {
               auto done = hold(std::move(stage_done));
               fns.stage_done = [done](int32_t stage) {
@@ -216,12 +217,13 @@ void bind_runtime(py::module_ m) {
           "the GIL) until it is done. `shapes` maps (value, microbatch) to "
           "the shape that microbatch has where it differs from the plan's; "
           "`stage_done(stage)` runs after the task that finishes a local "
-          "stage's weight gradients.",
+          "stage's weight gradients. `replay_rng=False`: a recompute leaves "
+          "the random generator to the forward callable.",
           py::arg("forward"), py::arg("input_grad") = py::none(),
           py::arg("weight_grad") = py::none(),
           py::arg("shapes") =
               std::map<std::pair<int32_t, int32_t>, std::vector<int64_t>>{},
-          py::arg("stage_done") = py::none())
+          py::arg("stage_done") = py::none(), py::arg("replay_rng") = true)
       .def_property_readonly("rank", &Executor::rank)
       .def_property_readonly("step_start_unix_ns",
                              &Executor::step_start_unix_ns)

@@ -495,9 +495,11 @@ void Executor::forward(const Task& task, State& st) {
     // R replays this forward: same inputs, same random numbers (dropout).
     auto& kept = st.kept[key];
     for (const at::Tensor& t : inputs) kept.push_back(t.detach());
-    at::Generator gen = at::globalContext().defaultGenerator(options_.device);
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    st.rng[key] = gen.get_state();
+    if (st.fns->replay_rng) {
+      at::Generator gen = at::globalContext().defaultGenerator(options_.device);
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      st.rng[key] = gen.get_state();
+    }
   }
   std::vector<at::Tensor> outs =
       call_forward(task, std::move(inputs), /*keep=*/!recomputed, st);
@@ -525,6 +527,10 @@ void Executor::recompute(const Task& task, State& st) {
   const State::Key key{task.stage, task.microbatch};
   std::vector<at::Tensor> inputs = std::move(st.kept.at(key));
   st.kept.erase(key);
+  if (!st.fns->replay_rng) {
+    call_forward(task, std::move(inputs), /*keep=*/true, st);
+    return;
+  }
   at::Tensor state = std::move(st.rng.at(key));
   st.rng.erase(key);
   at::Generator gen = at::globalContext().defaultGenerator(options_.device);

@@ -91,6 +91,11 @@ struct StageFunctions {
   // weight gradients for the step (its last B or W), e.g. to start their
   // data-parallel reduction while the rest of the schedule runs.
   std::function<void(int32_t stage)> stage_done;
+  // Whether a recompute (R) replays its forward's random numbers by saving
+  // and restoring the device's default generator. False when the forward
+  // callable replays them itself (ranks as threads, each with a generator
+  // state of its own: setting the shared one would disturb another rank).
+  bool replay_rng = true;
 };
 
 struct ExecutorOptions {

@@ -149,6 +149,22 @@ class C10dRequest : public Request, public Interruptible {
   bool done_ = false;
 };
 
+// Posting an operation can fail at once (Gloo: the pair's connection was
+// closed by a peer that died): a TransportError like any other failure, so
+// callers name the peer instead of passing on a raw c10::Error.
+template <typename Post>
+c10::intrusive_ptr<c10d::Work> start(const std::shared_ptr<AbortState>& abort,
+                                     Post post) {
+  try {
+    return post();
+  } catch (const TransportError&) {
+    throw;
+  } catch (const std::exception& e) {
+    abort->check();  // an abort is the cause of what followed it
+    throw TransportError(e.what(), TransportError::Kind::kFailed);
+  }
+}
+
 }  // namespace
 
 // The store watch. Its thread holds only shared state (never the
@@ -264,7 +280,9 @@ std::unique_ptr<Request> C10dTransport::isend(const at::Tensor& tensor,
                                               int peer, int64_t tag) {
   abort_state()->check();
   std::vector<at::Tensor> tensors{tensor};
-  auto work = group_->send(tensors, peer, static_cast<int>(tag));
+  auto work = start(abort_state(), [&] {
+    return group_->send(tensors, peer, static_cast<int>(tag));
+  });
   return std::make_unique<C10dRequest>(std::move(work), tensor, live_,
                                        abort_state());
 }
@@ -273,7 +291,9 @@ std::unique_ptr<Request> C10dTransport::irecv(const at::Tensor& tensor,
                                               int peer, int64_t tag) {
   abort_state()->check();
   std::vector<at::Tensor> tensors{tensor};
-  auto work = group_->recv(tensors, peer, static_cast<int>(tag));
+  auto work = start(abort_state(), [&] {
+    return group_->recv(tensors, peer, static_cast<int>(tag));
+  });
   return std::make_unique<C10dRequest>(std::move(work), tensor, live_,
                                        abort_state());
 }

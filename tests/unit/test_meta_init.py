@@ -103,7 +103,7 @@ def test_meta_model_initialised_per_rank_trains_like_eager(schedule):
             # Another rank's stage is never allocated here.
             assert all(t.is_meta for t in tensors), s
         assert not any(p.is_meta for p in runner.parameters())
-        runner.init_weights(init_fn)
+    local.init_weights(init_fn)  # collective: the tied embedding's copies travel
     ref = _reference()
     for runner in local.runners:
         for name, t in runner.state_dict().items():
@@ -131,17 +131,15 @@ def test_unwritten_tensors_are_an_error_naming_them():
     # A state dict fills parameters but not the non-persistent RoPE table.
     ref = _reference()
     local = LocalPipeline(pipe, mpmd.schedules.GPipe(M), 2, loss_fn=_loss, timeout=10)
-    for runner in local.runners:
-        runner.load_state_dict(ref.state_dict())
+    local.load_state_dict(ref.state_dict())
     with pytest.raises(
         RuntimeError, match=r"'rotary.inv_freq' \(stage 0\) were allocated but never"
     ):
         local.step(x, target=y)
     # (A failed step leaves the in-process world with a dead rank: start anew.)
     local = LocalPipeline(pipe, mpmd.schedules.GPipe(M), 2, loss_fn=_loss, timeout=10)
-    for runner in local.runners:
-        runner.load_state_dict(ref.state_dict())
-        runner.init_weights(lambda m: m.reset_parameters() if isinstance(m, Rotary) else None)
+    local.load_state_dict(ref.state_dict())
+    local.init_weights(lambda m: m.reset_parameters() if isinstance(m, Rotary) else None)
     out = local.step(x, target=y)
     losses = [_loss(ref(xb), yb) for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True)]
     torch.testing.assert_close(out[0].losses, torch.stack(losses), rtol=1e-12, atol=1e-12)
@@ -159,8 +157,7 @@ def test_eager_stages_on_the_meta_device():
     local = LocalPipeline(
         pipe, mpmd.schedules.OneFOneB(M), 2, loss_fn=lambda o, t: (o - t).square().mean()
     )
-    for runner in local.runners:
-        runner.init_weights(init_fn)
+    local.init_weights(init_fn)
     local.step(x, target=y)
     for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True):
         ((real(xb) - yb).square().mean() / M).backward()
@@ -179,8 +176,7 @@ def test_eager_meta_stages_take_new_shapes_without_allocating_others():
     local = LocalPipeline(
         pipe, mpmd.schedules.OneFOneB(M), 2, loss_fn=lambda o, t: (o - t).square().mean()
     )
-    for runner in local.runners:
-        runner.init_weights(init_fn)
+    local.init_weights(init_fn)
     x = torch.randn(3 * M, D, dtype=torch.float64)
     local.step(x, target=torch.zeros_like(x))
     assert [r.num_traces for r in local.runners] == [1, 1]
@@ -196,8 +192,7 @@ def test_meta_example_inputs_trace_the_same_plan():
     assert [(t.name, t.spec) for t in meta.transfers] == [(t.name, t.spec) for t in real.transfers]
     local = LocalPipeline(meta, mpmd.schedules.OneFOneB(M), 2, loss_fn=_loss, timeout=60)
     ref = _reference()
-    for runner in local.runners:
-        runner.init_weights(init_fn)
+    local.init_weights(init_fn)
     x, y = _data(4 * M)
     out = local.step(x, target=y)
     losses = [_loss(ref(xb), yb) for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True)]

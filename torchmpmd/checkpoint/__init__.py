@@ -12,19 +12,28 @@ parallel replicas), and reads back just what a rank's stages need, so another
 split, schedule or number of ranks loads it, and so does the plain model with
 DCP's standard calls.
 
-`save` writes into a temporary directory and renames it into place once every
-rank has finished: a directory at `path` is always a complete checkpoint.
+`save` writes into a staging directory beside `path` and renames it into
+place once every rank has finished: a directory at `path` is always a
+complete checkpoint. It replaces only a checkpoint it wrote (paths.py);
+anything else at `path` is refused before a byte is written. Every stored
+item has a CRC-32 in the checkpoint's manifest, checked at `load`
+(storage.py).
 
-`extra` values must be equal on every rank (the step, the data position),
-except `extra["per_rank"]`, which is kept per rank (random generator states):
-`load` returns each rank its own.
+`load` runs no code from the files: DCP's `.metadata` is unpickled with DCP's
+own classes only, and every other object weights-only
+(`weights_only=False` opts out, for files you trust).
+
+`extra` holds tensors and plain Python data, equal on every rank (the step,
+the data position), except `extra["per_rank"]`, which is kept per rank
+(random generator states): `load` returns each rank its own.
+
+`save` and `load` are collectives: every rank checks in first (agree.py), and
+a rank that does not call them fails the others within `timeout`.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import uuid
 from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
@@ -32,7 +41,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
@@ -40,13 +51,27 @@ from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_asyn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from ..graph.pipe import place_tensor
+from .agree import PER_RANK, check_extra, check_in, compare_extra, digest_extra
+from .errors import CheckpointError, describe, raise_agreed, unwrap
+from .paths import Target, abandon, commit, plan
+from .storage import ChecksumWriter, PlainDataPlanner, VerifyingReader
 
 if TYPE_CHECKING:
     from ..runtime.runner import PipelineRunner
 
-__all__ = ["async_save", "is_complete", "latest", "load", "local_model", "save"]
+__all__ = [
+    "CheckpointError",
+    "async_save",
+    "is_complete",
+    "latest",
+    "load",
+    "local_model",
+    "save",
+]
 
-_PER_RANK = "per_rank"
+# The directory where this process's last `latest` found no checkpoint, for
+# the message of `load(None)`.
+_found_none_in: Path | None = None
 
 
 def local_model(runner: PipelineRunner) -> torch.nn.Module:
@@ -120,20 +145,92 @@ def _merge_param_groups(optim_sd: dict[str, Any], runner: PipelineRunner) -> Non
         group["params"] = sorted(names, key=lambda n: order.get(n, len(order)))
 
 
+def _with_extra(state: dict[str, Any], extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    if not extra:
+        return state
+    common = {k: v for k, v in extra.items() if k != PER_RANK}
+    out = dict(state)
+    if common:
+        out["extra"] = common
+    if PER_RANK in extra:
+        out[f"{PER_RANK}.rank{_rank()}"] = extra[PER_RANK]
+    return out
+
+
+def _saved_state(
+    runner: PipelineRunner,
+    optimizer: torch.optim.Optimizer | None,
+    extra: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    _, state = _state(runner, optimizer)
+    if "optim" in state:
+        _merge_param_groups(state["optim"], runner)
+    return _with_extra(state, extra)
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _with_extra(state: dict[str, Any], extra: Mapping[str, Any] | None) -> dict[str, Any]:
-    if not extra:
-        return state
-    common = {k: v for k, v in extra.items() if k != _PER_RANK}
-    out = dict(state)
-    if common:
-        out["extra"] = common
-    if _PER_RANK in extra:
-        out[f"{_PER_RANK}.rank{_rank()}"] = extra[_PER_RANK]
-    return out
+def _agree(problem: BaseException | None) -> None:
+    """Raises the lowest failing rank's error on every rank (a collective)."""
+    problems = [describe(problem)]
+    if dist.is_initialized():
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, describe(problem))
+    raise_agreed(problems, problem)
+
+
+def _timeout(timeout: float | None, runner: PipelineRunner, call: str) -> float:
+    seconds = runner.timeout if timeout is None else timeout
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds <= 0:
+        raise ValueError(f"checkpoint.{call}: timeout={timeout!r}; pass seconds > 0 (or None)")
+    return float(seconds)
+
+
+def _begin_save(
+    call: str,
+    path: str | os.PathLike[str],
+    runner: PipelineRunner,
+    extra: Mapping[str, Any] | None,
+    timeout: float | None,
+) -> Target:
+    """The check-in of a save: every rank is there, `extra` is plain data
+    and equal on every rank, and rank 0 found `path` safe to write; raises
+    on every rank alike otherwise, before anything is written."""
+    seconds = _timeout(timeout, runner, call)
+    problem: Exception | None = None
+    target: Target | None = None
+    digest: dict[str, list[str]] = {}
+    try:
+        if path is None:
+            raise TypeError(f"checkpoint.{call}: path is None; name a checkpoint directory")
+        check_extra(extra)
+        digest = digest_extra(extra)
+        if _rank() == 0:
+            target = plan(path)
+    except Exception as err:
+        problem = err
+    shared = (
+        {
+            "path": str(target.path),
+            "staging": str(target.staging),
+            "created": [str(p) for p in target.created],
+        }
+        if target is not None
+        else None
+    )
+    entries = check_in(
+        call, path, seconds, {"error": describe(problem), "extra": digest, "target": shared}
+    )
+    raise_agreed([e["error"] for e in entries], problem)
+    compare_extra(entries)
+    decided = entries[0]["target"]
+    return Target(
+        path=Path(decided["path"]),
+        staging=Path(decided["staging"]),
+        created=tuple(Path(p) for p in decided["created"]),
+    )
 
 
 def save(
@@ -141,15 +238,34 @@ def save(
     runner: PipelineRunner,
     optimizer: torch.optim.Optimizer | None = None,
     extra: Mapping[str, Any] | None = None,
+    *,
+    timeout: float | None = None,
+    checksums: bool = True,
 ) -> None:
-    """Writes a checkpoint of every rank's stages (collective: call on all ranks)."""
-    target = Path(path)
-    tmp = _staging_dir(target)
-    _, state = _state(runner, optimizer)
-    if "optim" in state:
-        _merge_param_groups(state["optim"], runner)
-    dcp_save(_with_extra(state, extra), checkpoint_id=str(tmp))
-    _commit(tmp, target)
+    """Writes a checkpoint of every rank's stages (collective: call on all
+    ranks). `path` must be new, empty, or a checkpoint `save` wrote (replaced
+    atomically); anything else there is refused before a byte is written.
+    `extra`: tensors and plain Python data, equal on every rank except
+    `extra["per_rank"]`. `timeout`: seconds the ranks wait for each other at
+    the start (default: the runner's). `checksums`: a CRC-32 of every stored
+    item, checked by `load`."""
+    target = _begin_save("save", path, runner, extra, timeout)
+    try:
+        writer = ChecksumWriter(target.staging, checksums=checksums)
+        dcp_save(_saved_state(runner, optimizer, extra), storage_writer=writer)
+    except BaseException as err:
+        if _rank() == 0:
+            abandon(target)
+        if isinstance(err, CheckpointException):
+            raise unwrap(err, "save", target.path) from None
+        raise
+    problem: Exception | None = None
+    if _rank() == 0:
+        try:
+            commit(target)
+        except Exception as err:
+            problem = err
+    _agree(problem)
 
 
 def async_save(
@@ -157,24 +273,42 @@ def async_save(
     runner: PipelineRunner,
     optimizer: torch.optim.Optimizer | None = None,
     extra: Mapping[str, Any] | None = None,
+    *,
+    timeout: float | None = None,
+    checksums: bool = True,
 ) -> Future[None]:
     """Like `save`, but returns once the state is staged (copied): training
-    may go on while DCP writes. The future completes when the checkpoint is
-    in place. Wait for it before the next `async_save` (collective)."""
-    target = Path(path)
-    tmp = _staging_dir(target)
-    _, state = _state(runner, optimizer)
-    if "optim" in state:
-        _merge_param_groups(state["optim"], runner)
-    written = dcp_async_save(_with_extra(state, extra), checkpoint_id=str(tmp))
+    may go on while DCP writes. The future completes when this rank's part
+    is written (on rank 0: when the checkpoint is in place). Wait for it
+    before the next `async_save` (collective). Blocks for the check-in and
+    the copy; not thread-safe."""
+    target = _begin_save("async_save", path, runner, extra, timeout)
+    try:
+        writer = ChecksumWriter(target.staging, checksums=checksums)
+        written = dcp_async_save(_saved_state(runner, optimizer, extra), storage_writer=writer)
+    except BaseException as err:
+        if _rank() == 0:
+            abandon(target)
+        if isinstance(err, CheckpointException):
+            raise unwrap(err, "async_save", target.path) from None
+        raise
     done: Future[None] = Future()
 
     def finish(f: Any) -> None:
         try:
             f.result()
-            _commit(tmp, target, barrier=False)
-            done.set_result(None)
         except BaseException as err:  # reported through the future
+            if _rank() == 0:
+                abandon(target)
+            if isinstance(err, CheckpointException):
+                err = unwrap(err, "async_save", target.path)
+            done.set_exception(err)
+            return
+        try:
+            if _rank() == 0:
+                commit(target)
+            done.set_result(None)
+        except BaseException as err:
             done.set_exception(err)
 
     upload = written.upload_completion if hasattr(written, "upload_completion") else written
@@ -183,45 +317,45 @@ def async_save(
 
 
 def load(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | None,
     runner: PipelineRunner,
     optimizer: torch.optim.Optimizer | None = None,
+    *,
+    weights_only: bool = True,
+    timeout: float | None = None,
 ) -> dict[str, Any]:
     """Loads this rank's stages (and optimizer state) from a checkpoint written
     by any layout, or by the plain model; returns `extra` (with this rank's
-    `per_rank`, if saved). Collective: call on all ranks."""
-    source = Path(path)
-    if not is_complete(source):
+    `per_rank`, if saved). Collective: call on all ranks. Stored items are
+    checked against their checksums (where `save` wrote them).
+    `weights_only=True` builds nothing but DCP's metadata, tensors and plain
+    data from the files; `weights_only=False` unpickles them as DCP does,
+    which runs any code they name: only for files you trust."""
+    if path is None:
+        where = f" (latest({str(_found_none_in)!r}) found none)" if _found_none_in else ""
         raise FileNotFoundError(
-            f"checkpoint {source} is missing or incomplete (no .metadata): pass a directory "
-            "written by mpmd.checkpoint.save or dcp.save"
+            f"checkpoint.load: path is None: no checkpoint to load{where}. "
+            "checkpoint.latest(dir) returns None until dir holds a complete checkpoint: check "
+            "for None and start from scratch"
         )
-    view, state = _state(runner, optimizer)
-    metadata = FileSystemReader(str(source)).read_metadata()
-    keys = metadata.state_dict_metadata
-    extra_keys = [k for k in keys if k.startswith("extra.")]
-    own = f"{_PER_RANK}.rank{_rank()}"
-    if extra_keys:
-        state["extra"] = _template(keys, "extra")
-    if any(k == own or k.startswith(own + ".") for k in keys):
-        state[own] = _template(keys, own)
-    missing = [k for k in _flat_keys(state.get("model", {}), "model") if k not in keys]
-    if missing:
-        raise KeyError(
-            f"checkpoint {source} has no entry for {missing[:5]}"
-            f"{' ...' if len(missing) > 5 else ''}: it was written for another model"
+    source = Path(path)
+    check_in("load", source, _timeout(timeout, runner, "load"), {})
+    problem: Exception | None = None
+    try:
+        reader, view, state, own, local_groups = _prepare_load(
+            source, runner, optimizer, weights_only
         )
-    local_groups = [list(g["params"]) for g in state.get("optim", {}).get("param_groups", [])]
-    dcp_load(state, checkpoint_id=str(source))
+    except Exception as err:
+        problem = err
+    _agree(problem)
+    planner = PlainDataPlanner(source) if weights_only else DefaultLoadPlanner()
+    try:
+        dcp_load(state, storage_reader=reader, planner=planner)
+    except CheckpointException as err:
+        raise unwrap(err, "load", source) from None
     if "optim" in state:
         # The checkpoint lists the whole model's parameters; this rank's are its own.
-        loaded = state["optim"]["param_groups"]
-        if len(loaded) != len(local_groups):
-            raise ValueError(
-                f"checkpoint {source} has {len(loaded)} optimizer parameter groups, this rank's "
-                f"optimizer {len(local_groups)}: build the optimizer with the same groups"
-            )
-        for group, mine in zip(loaded, local_groups, strict=True):
+        for group, mine in zip(state["optim"]["param_groups"], local_groups, strict=True):
             group["params"] = mine
     set_state_dict(
         view,
@@ -231,8 +365,78 @@ def load(
     )
     extra = dict(state.get("extra", {}))
     if own in state:
-        extra[_PER_RANK] = state[own]
+        extra[PER_RANK] = state[own]
     return extra
+
+
+def _prepare_load(
+    source: Path,
+    runner: PipelineRunner,
+    optimizer: torch.optim.Optimizer | None,
+    weights_only: bool,
+) -> tuple[VerifyingReader, torch.nn.Module, dict[str, Any], str, list[list[Any]]]:
+    """What a load reads into, checked against the checkpoint's metadata:
+    every entry there, with the same shape."""
+    if not is_complete(source):
+        raise FileNotFoundError(
+            f"checkpoint {source} is missing or incomplete (no .metadata): pass a directory "
+            "written by mpmd.checkpoint.save or dcp.save"
+        )
+    reader = VerifyingReader(source, weights_only=weights_only)
+    keys = reader.read_metadata().state_dict_metadata
+    view, state = _state(runner, optimizer)
+    if any(k.startswith("extra.") for k in keys):
+        state["extra"] = _template(keys, "extra")
+    own = f"{PER_RANK}.rank{_rank()}"
+    if any(k == own or k.startswith(own + ".") for k in keys):
+        state[own] = _template(keys, own)
+    local_groups = [list(g["params"]) for g in state.get("optim", {}).get("param_groups", [])]
+    _check_entries(source, state, keys)
+    return reader, view, state, own, local_groups
+
+
+def _check_entries(source: Path, state: dict[str, Any], keys: Mapping[str, Any]) -> None:
+    """Raises naming the entries of `state` the checkpoint lacks or holds
+    with another shape."""
+    flat, _ = flatten_state_dict(state)
+    missing = [k for k in flat if k not in keys]
+    model = [k for k in missing if k.startswith("model.")]
+    if model:
+        raise KeyError(
+            f"checkpoint {source} has no entry for {model[:5]}"
+            f"{' ...' if len(model) > 5 else ''}: it was written for another model"
+        )
+    if missing and not any(k.startswith("optim.") for k in keys):
+        raise KeyError(
+            f"checkpoint {source} holds no optimizer state (it was saved without an "
+            "optimizer): load it with optimizer=None to start the optimizer afresh"
+        )
+    groups = [k for k in missing if k.startswith("optim.param_groups.")]
+    if groups:
+        saved = {k.split(".")[2] for k in keys if k.startswith("optim.param_groups.")}
+        local = len(state["optim"]["param_groups"])
+        raise ValueError(
+            f"checkpoint {source} has {len(saved)} optimizer parameter groups, this rank's "
+            f"optimizer {local}: build the optimizer with the same groups"
+        )
+    if missing:
+        raise KeyError(
+            f"checkpoint {source} has no optimizer state for {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}: it was saved with another optimizer "
+            "(or other optimizer settings); load it with optimizer=None to start afresh"
+        )
+    for k, value in flat.items():
+        meta = keys[k]
+        if (
+            isinstance(value, torch.Tensor)
+            and isinstance(meta, TensorStorageMetadata)
+            and tuple(meta.size) != tuple(value.shape)
+        ):
+            raise ValueError(
+                f"checkpoint {source}: {k!r} has shape {list(meta.size)} in the checkpoint "
+                f"and {list(value.shape)} in this rank's model: it was written for a model "
+                "of other sizes"
+            )
 
 
 def _template(keys: Mapping[str, Any], prefix: str) -> Any:
@@ -257,10 +461,6 @@ def _template(keys: Mapping[str, Any], prefix: str) -> Any:
     return out
 
 
-def _flat_keys(tree: Mapping[str, Any], prefix: str) -> list[str]:
-    return [f"{prefix}.{k}" for k in tree]
-
-
 def is_complete(path: str | os.PathLike[str]) -> bool:
     """Whether `path` is a finished checkpoint (DCP writes `.metadata` last,
     and `save` renames the directory into place after that)."""
@@ -269,32 +469,13 @@ def is_complete(path: str | os.PathLike[str]) -> bool:
 
 def latest(directory: str | os.PathLike[str], prefix: str = "step-") -> Path | None:
     """The newest complete checkpoint `directory/<prefix><number>`, if any."""
+    global _found_none_in
     root = Path(directory)
-    if not root.is_dir():
-        return None
     found = []
-    for child in root.iterdir():
-        suffix = child.name.removeprefix(prefix)
-        if child.name.startswith(prefix) and suffix.isdigit() and is_complete(child):
-            found.append((int(suffix), child))
+    if root.is_dir():
+        for child in root.iterdir():
+            suffix = child.name.removeprefix(prefix)
+            if child.name.startswith(prefix) and suffix.isdigit() and is_complete(child):
+                found.append((int(suffix), child))
+    _found_none_in = None if found else root
     return max(found)[1] if found else None
-
-
-def _staging_dir(target: Path) -> Path:
-    """A temporary directory beside `target`, the same name on every rank."""
-    name = [f".{target.name}.partial-{uuid.uuid4().hex[:8]}"]
-    if dist.is_initialized():
-        dist.broadcast_object_list(name, src=0)
-    return target.parent / name[0]
-
-
-def _commit(tmp: Path, target: Path, barrier: bool = True) -> None:
-    """Renames the finished `tmp` to `target` (rank 0, after every rank wrote)."""
-    if barrier and dist.is_initialized():
-        dist.barrier()
-    if _rank() == 0:
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    if barrier and dist.is_initialized():
-        dist.barrier()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import operator
 import traceback
 import warnings
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 
 from .. import _C
@@ -115,6 +117,7 @@ def trace(
             f"{bad[0]!r} ({type(bad[0]).__name__}); name the module where a stage starts "
             "(split_before) or ends (split_after)"
         )
+    args, kwargs = _example_inputs(model, args, kwargs)
 
     with warnings.catch_warnings():
         # torch.export's own use of a deprecated pytree API (torch >= 2.13).
@@ -190,6 +193,53 @@ def _check_signature(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict
         ) from None
 
 
+def _example_inputs(
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The example inputs as the trace takes them: each tensor an input of its
+    own, and on the meta device when the model is.
+
+    torch.export traces one tensor passed twice (`model(idx, targets=idx)`,
+    `{"query": h, "key": h}`) as one value, so the graph would read the first
+    argument wherever the second is used, and every later call with
+    different tensors there would be silently wrong: a tensor sharing storage
+    with an earlier one (the same object, or a view of it) is traced from a
+    copy, so that no two inputs alias in the trace.
+
+    A model built on the meta device cannot run ops that mix its tensors
+    with real ones (`torch.triu(..., device=idx.device)` beside a meta
+    weight), so real inputs are traced as meta tensors of the same shape and
+    dtype: the pipe's input checks still take real batches, and a retrace at
+    run time (real microbatches, the model still meta) does the same.
+    """
+    to_meta = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    seen: set[tuple[str, int]] = set()
+    out = []
+    for value in flat:
+        if isinstance(value, torch.Tensor):
+            memory = _memory_of(value)
+            if memory in seen:
+                value = value.detach().clone().requires_grad_(value.requires_grad)
+            else:
+                seen.add(memory)
+            if to_meta and not value.is_meta:
+                value = value.detach().to("meta").requires_grad_(value.requires_grad)
+        out.append(value)
+    new_args, new_kwargs = pytree.tree_unflatten(out, spec)
+    return tuple(new_args), dict(new_kwargs)
+
+
+def _memory_of(value: torch.Tensor) -> tuple[str, int]:
+    """What identifies a tensor's memory: its storage, which its views share
+    (the key of torch's own storage deepcopy), or the tensor itself where it
+    has none (a tensor subclass)."""
+    try:
+        return ("storage", int(value.untyped_storage()._cdata))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return ("tensor", id(value))
+
+
 class _ModuleTracker:
     """Knows which module calls are in progress, to say where tracing failed."""
 
@@ -226,7 +276,8 @@ def _export(
         with _tracing(), tracker.watch(), _checkpoints_marked():
             return torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:  # re-raised with where and what to do
-        raise RuntimeError(_trace_failure_message(exc, tracker.stack)) from exc
+        devices = {str(t.device) for t in itertools.chain(model.parameters(), model.buffers())}
+        raise RuntimeError(_trace_failure_message(exc, tracker.stack, devices)) from exc
 
 
 @contextlib.contextmanager
@@ -268,7 +319,28 @@ def _checkpoints_marked() -> Iterator[None]:
             setattr(function, "apply", own_apply)  # noqa: B010
 
 
-def _trace_failure_message(exc: Exception, stack: list[tuple[str, str]]) -> str:
+def _device_hint(model_devices: set[str]) -> str:
+    """What to do when an op met tensors on the meta device and a real one."""
+    if "meta" in model_devices:
+        return (
+            "the model's tensors are on the meta device and the code mixes them with "
+            "tensors on a real device (a buffer built there, or a tensor forward creates "
+            "without device=...); pass meta example inputs (real ones are traced as meta "
+            "tensors of the same shape), and build every tensor of the model on the meta "
+            "device (with torch.device('meta'): model = Model(...)) or on the device of an "
+            "input (device=x.device)"
+        )
+    where = ", ".join(sorted(model_devices)) or "a real device"
+    return (
+        f"the example inputs are on the meta device and the model's tensors on {where}: "
+        "pass example inputs on the model's device, or build the model under "
+        "torch.device('meta') too to trace it without memory"
+    )
+
+
+def _trace_failure_message(
+    exc: Exception, stack: list[tuple[str, str]], model_devices: set[str]
+) -> str:
     if stack:
         path, cls = stack[-1]
         where = f"in module '{path}' ({cls})" if path else f"in the root module ({cls})"
@@ -277,7 +349,7 @@ def _trace_failure_message(exc: Exception, stack: list[tuple[str, str]]) -> str:
     frames = [
         f
         for f in traceback.extract_tb(exc.__traceback__)
-        if "/torch/" not in f.filename and "/torchmpmd/" not in f.filename
+        if f.line and "/torch/" not in f.filename and "/torchmpmd/" not in f.filename
     ]
     line = f" at {frames[-1].filename}:{frames[-1].lineno} `{frames[-1].line}`" if frames else ""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -287,6 +359,11 @@ def _trace_failure_message(exc: Exception, stack: list[tuple[str, str]]) -> str:
             "the model returns or takes an object torch cannot flatten into tensors; return "
             "only tensors (for Hugging Face models pass use_cache=False)"
         )
+    elif "meta" in text and (
+        "DeviceMismatch" in type(exc).__name__
+        or any(s in text for s in ("two devices", "same device", "expected device"))
+    ):
+        hint = _device_hint(model_devices)
     elif "data-dependent" in text or "GuardOnDataDependent" in text:
         hint = (
             "control flow depends on tensor values; make it depend on shapes or constants, "

@@ -128,6 +128,8 @@ class Pipe:
         """A copy with its own parameters and buffers (tying within it kept)."""
         memo: dict[int, Any] = {}
         stages = copy.deepcopy(self._stages, memo)
+        for original, stage in zip(self._stages, stages, strict=True):
+            _keep_buffer_persistence(original, stage)
         clone = copy.copy(self)
         clone._stages = stages
         clone.tied_parameters = {node: memo[id(p)] for node, p in self.tied_parameters.items()}
@@ -211,6 +213,7 @@ class Pipe:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat = self.flatten_inputs(args, kwargs)
+        self._refuse_meta_state(flat)
         # Contiguous, like the traced example: the graphs may view their inputs.
         flat = [v.contiguous() if isinstance(v, torch.Tensor) else v for v in flat]
         env = {n: v for n, v in zip(self.input_node_names, flat, strict=True) if n is not None}
@@ -218,6 +221,23 @@ class Pipe:
             outputs = gm(*(env[n] for n in spec.input_names))
             env.update(zip(spec.output_names, outputs, strict=True))
         return self.unflatten_outputs(env)
+
+    def _refuse_meta_state(self, flat: list[Any]) -> None:
+        """A pipe traced from a model on the meta device holds no values: it
+        runs meta inputs (shapes only), never real ones."""
+        if all(not isinstance(v, torch.Tensor) or v.is_meta for v in flat):
+            return
+        for gm in self._stages:
+            for name, t in [*gm.named_parameters(), *gm.named_buffers()]:
+                if t.is_meta:
+                    raise RuntimeError(
+                        f"Pipe: the pipe's parameters and buffers ('{name}', ...) are on the meta "
+                        "device: they have shapes but no values, so the pipe cannot run real "
+                        "inputs; run it with a PipelineRunner (testing.LocalPipeline in one "
+                        "process), which allocates each rank's stages, after "
+                        "runner.init_weights(fn) or runner.load_state_dict(...), or trace a "
+                        "model built on a real device"
+                    )
 
     def unflatten_outputs(self, env: dict[str, Any]) -> Any:
         flat = [
@@ -308,6 +328,15 @@ def place_tensor(
         module._buffers[leaf] = value
         if not persistent:
             module._non_persistent_buffers_set.add(leaf)
+
+
+def _keep_buffer_persistence(original: torch.nn.Module, copied: torch.nn.Module) -> None:
+    # GraphModule's deepcopy registers the root's buffers as persistent; keep
+    # the model's choice, so that state_dict keys match the unpipelined model.
+    modules = dict(copied.named_modules())
+    for name, module in original.named_modules():
+        if name in modules:
+            modules[name]._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
 
 
 def check_input(name: str, expected: Any, value: Any) -> None:

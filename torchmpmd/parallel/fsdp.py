@@ -11,7 +11,12 @@ of the schedule; torch.distributed.pipelining drives FSDP2 the same way.
 
 Tied parameters are left out of the sharding (`ignored_params`): the
 pipeline sums their copies across stages, and they are averaged over dp
-like replicated ones (`Replicate`). `parallelize(stage_module, dp_mesh)`
+like replicated ones (`Replicate`). FSDP2 broadcasts nothing: each rank
+keeps its chunk of its own full tensors, so the runner first gives every
+replica dp rank 0's (`broadcast_from_first`) and the shards all come from one
+model; after `init_weights` / `load_state_dict` the shards, each held once,
+stay as written, and the unsharded tensors (tied parameters, buffers) are
+broadcast again. `parallelize(stage_module, dp_mesh)`
 replaces the default `fully_shard` call, for a user's own sharding,
 checkpointing or compile policy per stage (torchtitan's `parallelize_fn`).
 """

@@ -15,17 +15,25 @@ A bucket carries one flag per parameter besides the gradients: a parameter
 no rank computed a gradient for (an unused MoE expert everywhere) keeps
 `.grad = None`, as in the unpipelined model; one that some rank did not
 reach counts zeros there.
+
+Averaged gradients keep replicas equal only if they start equal: the runner
+gives every replica dp rank 0's parameters and buffers (`broadcast_from_first`)
+at construction, as DDP does, and again after `init_weights` /
+`load_state_dict`, so replicas built from different seeds cannot train apart.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["Replicate"]
+
+_P = TypeVar("_P", bound=torch.Tensor)
 
 
 @dataclass(slots=True)
@@ -92,6 +100,29 @@ class Replicate:
             self._buckets.append(_Bucket(group, flat, work))
 
 
+@torch.no_grad()
+def broadcast_from_first(
+    group: dist.ProcessGroup, tensors: list[torch.Tensor], bucket_bytes: int = 25 * 2**20
+) -> None:
+    """Gives every rank of `group` its first rank's `tensors` (in place), as
+    DDP does at construction: replicas built apart (seeded by rank) start
+    equal. Every rank passes the same tensors in the same order (collective),
+    in buckets of at most `bucket_bytes`."""
+    if dist.get_world_size(group) == 1:
+        return
+    src = dist.get_global_rank(group, 0)
+    first = dist.get_rank(group) == 0
+    for bucket in _buckets(list(tensors), bucket_bytes):
+        flat = torch.cat([t.detach().reshape(-1) for t in bucket])
+        dist.broadcast(flat, src=src, group=group)
+        if first:
+            continue
+        offset = 0
+        for t in bucket:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
 def _write_back(bucket: _Bucket, size: int) -> None:
     n = len(bucket.params)
     flags = bucket.flat[-n:]
@@ -108,10 +139,10 @@ def _write_back(bucket: _Bucket, size: int) -> None:
             offset += numel
 
 
-def _buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[list[torch.nn.Parameter]]:
+def _buckets(params: list[_P], bucket_bytes: int) -> list[list[_P]]:
     """Consecutive runs of parameters of one dtype and device, each at most
     `bucket_bytes` (a larger parameter alone)."""
-    out: list[list[torch.nn.Parameter]] = []
+    out: list[list[_P]] = []
     size = 0
     for p in params:
         nbytes = p.numel() * p.element_size()

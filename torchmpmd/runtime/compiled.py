@@ -111,6 +111,24 @@ class CompiledPipe:
         self.executor = self._executor(self.program, training=True)
         self._eval_executor: _C.runtime.Executor | None = None
 
+    @classmethod
+    def retraced(
+        cls, pipe: Pipe, row: list[Any], options: Options, shared: CompiledPipe
+    ) -> CompiledPipe:
+        """`pipe` traced again for one microbatch's flat inputs `row` (a
+        signature not seen before) and compiled, sharing `shared`'s state.
+
+        A trace that fails is a batch that does not fit the model (a wrong
+        feature size) far more often than untraceable code: the error names
+        the inputs that differ from the traced example. It is raised before
+        any message is exchanged, so the runner stays usable.
+        """
+        try:
+            new = pipe.retrace(row)
+        except Exception as err:  # re-raised naming the inputs
+            raise ValueError(_retrace_failure(pipe, row, err)) from err
+        return cls(new, options, shared)
+
     def shapes_of(self, other: CompiledPipe, mb: int) -> dict[tuple[int, int], list[int]]:
         """The shapes `other`'s transfers have, as (value, `mb`) -> shape for
         this pipe's executor, which then runs microbatch `mb` of `other`'s shapes."""
@@ -198,6 +216,37 @@ class CompiledPipe:
             device=options.device,
             measure_memory=options.measure_memory,
         )
+
+
+def _retrace_failure(pipe: Pipe, row: list[Any], err: Exception) -> str:
+    """Why a microbatch's inputs could not be traced: which differ from the
+    traced example, and the trace's own first line."""
+    changes = []
+    for name, traced, value in zip(pipe.input_names, pipe.input_specs, row, strict=True):
+        if isinstance(traced, TensorSpec) and isinstance(value, torch.Tensor):
+            got = TensorSpec.of_tensor(value)
+            if got.shape != traced.shape:
+                changes.append(
+                    f"input '{name}' has shape {got.shape} where the pipeline was traced "
+                    f"with {traced.shape}"
+                )
+            if got.dtype != traced.dtype:
+                changes.append(
+                    f"input '{name}' has dtype {got.dtype} where the pipeline was traced "
+                    f"with {traced.dtype}"
+                )
+        elif (type(traced).__name__, repr(traced)) != (type(value).__name__, repr(value)):
+            changes.append(
+                f"input '{name}' is {value!r} where the pipeline was traced with {traced!r}"
+            )
+    text = str(err).strip()
+    cause = text.splitlines()[0].split(" To fix:")[0] if text else type(err).__name__
+    return (
+        f"microbatch {'; '.join(changes) or 'inputs differ from the traced example'}, and "
+        f"tracing the model for them failed ({cause.rstrip('.')}): the batch probably does "
+        "not fit the model; pass batches like the traced example (only the sizes the model "
+        "allows to vary, such as batch size or sequence length, may change between steps)"
+    )
 
 
 def _take_state(pipe: Pipe, shared: CompiledPipe, stages: list[int]) -> None:

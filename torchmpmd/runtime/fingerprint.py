@@ -1,26 +1,20 @@
-"""Same job, same step: the runners of a group check in at every call.
-
-Each `step` / `eval_step` starts with one small exchange over the runner's
-transport: the call's number and kind, so that a rank that skipped or
-repeated a step (an exception caught by the training loop) fails every rank
-naming both calls, instead of pairing microbatches of different steps; and,
-at the first call, hashes of each part of the configuration (versions, the
-traced graph, the split, the schedule and its program, the number of
-microbatches, dtypes), so that a difference fails naming the first part that
-differs, instead of exchanging tensors of the wrong shape or waiting for
-messages that never come.
+"""What the runners of a group compare at their check-in (`checkin.py`):
+the job each was given (`describe`: versions, the traced graph, the split,
+the schedule and its program, the number of microbatches, dtypes), and the
+batch of each step (`batch_print`: shapes and a sample of values).
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from typing import TYPE_CHECKING
+import zlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
-
-from .transport import Transport, all_gather
+import torch.utils._pytree as pytree
 
 if TYPE_CHECKING:
     from ..graph.pipe import Pipe
@@ -39,7 +33,8 @@ FIELDS = (
 )
 
 
-def _hash(text: str) -> int:
+def stable_hash(text: str) -> int:
+    """A hash of `text` equal in every process (56 bits: an int64)."""
     # Object addresses (a function's repr in a graph) differ between processes.
     stable = re.sub(r" at 0x[0-9a-f]+", "", text)
     return int.from_bytes(hashlib.sha256(stable.encode()).digest()[:7], "little")
@@ -68,9 +63,15 @@ def describe(pipe: Pipe, program: Program, version: str) -> list[str]:
         for spec in pipe.stage_specs
     ]
     tasks = [[str(t) for t in program.tasks(r)] for r in range(program.num_ranks)]
-    dtypes = [str(t.spec) for t in pipe.transfers] + [
-        f"{n}:{p.dtype}" for n, p in pipe.named_parameters()
-    ]
+    # Each parameter once under its first name in the model, whatever this
+    # rank allocated: a rank that holds one copy of a tied weight (the others
+    # still meta) must describe the same job as one that holds none.
+    params: dict[str, str] = {}
+    for s in range(pipe.num_stages):
+        for name, p in pipe.stage(s).named_parameters(remove_duplicate=False):
+            first = pipe.parameter_aliases.get(name, [name])[0]
+            params.setdefault(first, f"{first}:{p.dtype}")
+    dtypes = [str(t.spec) for t in pipe.transfers] + list(params.values())
     return [
         version,
         torch.__version__,
@@ -82,72 +83,61 @@ def describe(pipe: Pipe, program: Program, version: str) -> list[str]:
     ]
 
 
-_KINDS = ("step", "eval_step")
+@dataclass(frozen=True, slots=True)
+class BatchPrint:
+    """A step's batch as the check-in compares it between the ranks of a
+    pipeline, which all pass the same batch: the structure, shapes and
+    dtypes of the inputs and of the target (None: no target given), and a
+    hash of a sample of their values (inputs, target)."""
+
+    inputs: str
+    target: str | None
+    values: tuple[int, int]
 
 
-def check_in(
-    transport: Transport,
-    timeout: float,
-    call: int,
-    kind: str,
-    texts: list[str] | None,
-    device: torch.device | None = None,
-) -> None:
-    """Every rank is at the same call (`call`-th step or eval_step) and, when
-    `texts` is given (the first call), was given the same job. One small
-    exchange per call, of tensors on `device` (the one the transport carries:
-    CUDA for NCCL); raises on every rank, naming what differs."""
-    me = transport.rank
-    if texts is None:
-        # Later calls: each rank compares with its neighbours in rank order,
-        # a connected chain, one fixed-size message each way per pair.
-        _check_neighbours(transport, timeout, call, kind, device)
-        return
-    hashes = [_hash(t) for t in texts]
-    mine = torch.tensor([[call, _KINDS.index(kind), *hashes]], dtype=torch.int64, device=device)
-    rows = [r.reshape(-1).tolist() for r in all_gather(transport, mine, timeout)]
-    for i, field in enumerate(FIELDS):
-        differ = [r for r, row in enumerate(rows) if row[2 + i] != rows[0][2 + i]]
-        if differ:
-            detail = f" (this rank: {texts[i]})" if len(texts[i]) <= 80 else ""
-            raise RuntimeError(
-                f"torchmpmd: rank {me}: the runners were not given the same job: the "
-                f"{field} of rank(s) {differ} differs from rank 0's{detail}. Every rank "
-                "must trace the same model with the same split and run the same schedule, "
-                "torch and torchmpmd"
-            )
-    for r, row in enumerate(rows):
-        _same_call(me, call, kind, r, row[:2])
+# Elements sampled per tensor, evenly spaced: a batch from another step of a
+# data loader differs in nearly all of them.
+_SAMPLED = 64
 
 
-def _same_call(me: int, call: int, kind: str, peer: int, theirs: list[int]) -> None:
-    if theirs != [call, _KINDS.index(kind)]:
-        raise RuntimeError(
-            f"torchmpmd: rank {me} is at call {call} ({kind}) but rank {peer} at call "
-            f"{theirs[0]} ({_KINDS[theirs[1]]}): a rank skipped or repeated a step (an exception "
-            "caught by the training loop, a call made on some ranks only), so their messages "
-            "would mix two steps. Every rank must call step and eval_step the same number of "
-            "times, in the same order"
-        )
+def batch_print(named: list[tuple[str, Any]], target: Any) -> BatchPrint:
+    """The fingerprint of a step's flat inputs (`named`: (name, value) in
+    the traced order) and target."""
+    inputs = ", ".join(f"{n}: {_describe(v)}" for n, v in named)
+    leaves = pytree.tree_leaves(target)
+    target_text = None
+    if target is not None:
+        target_text = ", ".join(_describe(v) for v in leaves)
+        if not isinstance(target, torch.Tensor):
+            target_text = f"{type(target).__name__} of [{target_text}]"
+    values = (
+        _values_hash([v for _, v in named]),
+        _values_hash(leaves) if target is not None else 0,
+    )
+    return BatchPrint(inputs, target_text, values)
 
 
-_CHECK_TAG = 0x7FFF0100  # outside the tags programs use
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    text = repr(value)
+    return text if len(text) <= 40 else f"{type(value).__name__} {text[:37]}..."
 
 
-def _check_neighbours(
-    transport: Transport, timeout: float, call: int, kind: str, device: torch.device | None
-) -> None:
-    """Exchanges (call, kind) with rank - 1 and rank + 1, in the global pair
-    order (0, 1), (1, 2), ...: the first unfinished pair always has both ends
-    ready, so blocking sends cannot deadlock."""
-    me, size = transport.rank, transport.size
-    mine = torch.tensor([call, _KINDS.index(kind)], dtype=torch.int64, device=device)
-    theirs = torch.empty(2, dtype=torch.int64, device=device)
-    if me > 0:  # the higher end of (me - 1, me): receive, then send
-        transport.recv(theirs, me - 1, _CHECK_TAG, timeout)
-        transport.send(mine, me - 1, _CHECK_TAG, timeout)
-        _same_call(me, call, kind, me - 1, theirs.tolist())
-    if me < size - 1:  # the lower end of (me, me + 1): send, then receive
-        transport.send(mine, me + 1, _CHECK_TAG, timeout)
-        transport.recv(theirs, me + 1, _CHECK_TAG, timeout)
-        _same_call(me, call, kind, me + 1, theirs.tolist())
+def _values_hash(values: list[Any]) -> int:
+    """A CRC-32 of evenly spaced elements of each tensor (their bytes, so
+    NaNs and signed zeros count as written) and of the other values' reprs.
+    Device tensors give their sample to the host (64 elements; the
+    check-in reads its messages on the host anyway)."""
+    crc = 0
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            flat = v.detach().reshape(-1)
+            sample = flat[:: max(flat.numel() // _SAMPLED, 1)].contiguous()
+            if sample.is_complex():
+                sample = torch.view_as_real(sample).contiguous()
+            data = sample.view(torch.uint8).cpu().numpy().tobytes()
+        else:
+            data = repr(v).encode()
+        crc = zlib.crc32(data, crc)
+    return crc

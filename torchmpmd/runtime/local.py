@@ -4,19 +4,29 @@ transport that follows the same matching and ordering rules as c10d.
 Each rank gets its own copy of the parameters, as separate processes would,
 so tied weights and optimizer steps behave exactly as in a real job. Forward
 calls take turns on the GIL; backward passes run in parallel.
+
+Each rank also draws random numbers (dropout) from a generator state of its
+own, as a process would, so identical seeded runs give identical results:
+a call starts every rank from the calling thread's generator state if it
+changed since the previous call (`torch.manual_seed(s)` before a step gives
+what processes seeded with `s` give), else each rank continues from its own;
+afterwards the caller's generator holds rank 0's (`runtime.rank_rng` says
+how, and what it does not cover: full recompute on one rank while another
+draws).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from ..graph.pipe import Pipe
-from ..schedule.task import Schedule
+from ..schedule.task import Schedule, require_schedule
+from .rank_rng import RankGenerators
 from .runner import PipelineRunner, StepOutput, require_pipe
 from .transport import LocalWorld
 
@@ -30,7 +40,9 @@ class LocalPipeline:
         self, pipe: Pipe, schedule: Schedule, num_ranks: int, **runner_kwargs: Any
     ) -> None:
         require_pipe(pipe, "LocalPipeline")
+        require_schedule(schedule, "LocalPipeline")
         self.world = LocalWorld(num_ranks)
+        self._rng = RankGenerators(num_ranks)
         self.pipes = [pipe.replicate() for _ in range(num_ranks)]
         self.runners = [
             PipelineRunner(
@@ -54,11 +66,21 @@ class LocalPipeline:
         """`PipelineRunner.clip_grad_norm_` on every rank; the per-rank norms."""
         return self._on_all(lambda r: r.clip_grad_norm_(max_norm, norm_type))
 
+    def init_weights(self, fn: Callable[[torch.nn.Module], object] | None = None) -> None:
+        """`PipelineRunner.init_weights` on every rank at once (it is
+        collective: tied weights' copies travel between ranks)."""
+        self._on_all(lambda r: r.init_weights(fn))
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """`PipelineRunner.load_state_dict` on every rank at once (collective too)."""
+        self._on_all(lambda r: r.load_state_dict(state_dict, strict))
+
     def kill(self, rank: int) -> None:
         """Makes `rank` look dead to its peers (their receives from it fail)."""
         self.world.kill(rank)
 
     def _on_all(self, fn: Callable[[PipelineRunner], Any]) -> list[Any]:
+        self._rng.start_call(max(r.timeout for r in self.runners))
         results: list[Any] = [None] * self.num_ranks
         errors: list[tuple[float, int, BaseException]] = []
 
@@ -71,6 +93,7 @@ class LocalPipeline:
 
         def run(rank: int) -> None:
             runner = self.runners[rank]
+            runner.communicated = False  # this call's, not an earlier one's
             try:
                 results[rank] = fn(runner)
             except BaseException as err:  # reported below, per rank
@@ -82,7 +105,8 @@ class LocalPipeline:
                 errors.append((time.monotonic(), rank, err))
 
         threads = [
-            threading.Thread(target=run, args=(r,), daemon=True) for r in range(self.num_ranks)
+            threading.Thread(target=self._rng.in_rank(run), args=(r,), daemon=True)
+            for r in range(self.num_ranks)
         ]
         for t in threads:
             t.start()
@@ -115,4 +139,5 @@ class LocalPipeline:
                 if hasattr(first, "add_note"):  # Python >= 3.11
                     first.add_note(f"then rank {rank}: {err}")
             raise first
+        self._rng.end_call()
         return results

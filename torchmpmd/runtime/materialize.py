@@ -8,23 +8,31 @@ those, uninitialised (`allocate`), one tensor per tensor object so tied
 weights stay tied. They are then filled by `runner.load_state_dict`, a
 checkpoint, or `runner.init_weights(fn)`, which calls `fn` on the model's
 own submodules with this rank's tensors in place of their meta ones, so a
-model's `reset_parameters` / `_init_weights` work unchanged. Non-persistent
+model's `reset_parameters` / `_init_weights` work unchanged;
+`runner.init_weights()` calls the model's own root `init_weights()` once
+instead, with every local tensor swapped in and the others left meta (where
+writes cost nothing), as torchtitan's models initialise. Non-persistent
 buffers (RoPE tables, masks) are in no state dict: `fn` must compute them,
 as a model's own init does (torchtitan's `init_weights` recomputes its RoPE
 table), or the model is built with real buffers and meta parameters only
 (accelerate's `init_empty_weights()`), whose buffers are then copied. A
 tensor still unwritten at the first step is an error naming it, never
-garbage silently trained on.
+garbage silently trained on. The runner then makes the copies of a tied
+weight equal across ranks, and replicas equal across data parallelism.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..graph.eager import EagerStage
 
@@ -51,6 +59,38 @@ class Allocation:
 
     def add(self, stage: int, name: str, tensor: torch.Tensor) -> None:
         self._fresh.setdefault(id(tensor), _Fresh(stage, name, tensor, tensor._version))
+
+    def allocated(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` was allocated here (its values came from no model)."""
+        return id(tensor) in self._fresh
+
+    @contextlib.contextmanager
+    def copies_only(self) -> Iterator[None]:
+        """Writes inside fill nothing: a tensor unwritten before (a replica's
+        garbage broadcast over data parallelism) still is after."""
+        unwritten = [f for f in self._fresh.values() if f.tensor._version == f.version]
+        yield
+        for f in unwritten:
+            f.version = f.tensor._version
+
+    def follow(self, modules: dict[int, torch.nn.Module]) -> None:
+        """Tracks the tensors that took the place of allocated ones in
+        `modules`, by name (FSDP's shards, cut from the allocated tensors'
+        garbage): they must be written too. (A DTensor's own version counts
+        writes through it; its local shard's does not.)"""
+        for key, f in list(self._fresh.items()):
+            module = modules[f.stage]
+            root = module.module if isinstance(module, EagerStage) else module
+            path, _, leaf = f.name.rpartition(".")
+            try:
+                owner = root.get_submodule(path) if path else root
+            except AttributeError:
+                continue
+            now = owner._parameters.get(leaf, owner._buffers.get(leaf))
+            if now is None or now is f.tensor:
+                continue
+            del self._fresh[key]
+            self._fresh[id(now)] = _Fresh(f.stage, f.name, now, now._version)
 
     def check(self, modules: dict[int, torch.nn.Module], rank: int) -> None:
         """Raises if a tensor allocated here is still unwritten (and still in use)."""
@@ -131,21 +171,27 @@ def allocate(modules: dict[int, torch.nn.Module], device: torch.device) -> Alloc
 
 
 def init_weights(
-    fn: Callable[[torch.nn.Module], object],
+    fn: Callable[[torch.nn.Module], object] | None,
     modules: dict[int, torch.nn.Module],
     source: torch.nn.Module | None,
     aliases: dict[str, list[str]],
+    rank: int,
 ) -> int:
     """Calls `fn(m)` on each submodule of the model that owns (directly) a
-    parameter or buffer of the local stages, with the local tensors in
-    place of its own while `fn` runs; returns how many modules it called.
-    A tensor `fn` replaces (rather than writes in place) becomes the local one."""
+    parameter or buffer of the local stages or, with `fn=None`, the model's
+    own root `init_weights()` / `reset_parameters()` once, with the local
+    tensors in place of the model's own while it runs (the others stay meta,
+    where writes cost nothing); returns how many calls it made. A tensor
+    replaced (rather than written in place) becomes the local one, if it has
+    the local one's shape, dtype and device."""
     local: dict[str, torch.Tensor] = {}
-    for m in modules.values():
+    stage_of: dict[int, int] = {}
+    for s, m in sorted(modules.items()):
         for name, t in [
             *m.named_parameters(remove_duplicate=False),
             *m.named_buffers(remove_duplicate=False),
         ]:
+            stage_of.setdefault(id(t), s)
             for alias in aliases.get(name, [name]):
                 local.setdefault(alias, t)
     held = {id(t) for t in local.values()}
@@ -155,43 +201,120 @@ def init_weights(
     seen: set[int] = set()
     with _SWAP_LOCK, torch.no_grad():
         for root in roots:
+            owners = []
             for path, owner in root.named_modules(remove_duplicate=False):
                 if id(owner) in seen or not (owner._parameters or owner._buffers):
                     continue
                 seen.add(id(owner))
-                called += _call_on(fn, owner, path, local, held, modules)
+                owners.append((path, owner))
+            calls = (
+                [(_root_init(root, rank), owners)]
+                if fn is None
+                else [(functools.partial(fn, owner), [(path, owner)]) for path, owner in owners]
+            )
+            for call, where in calls:
+                replaced = _swapped_call(call, where, local, held)
+                if replaced is None:
+                    continue
+                called += 1
+                for name, mine, new in replaced:
+                    _check_replacement(name, mine, new, stage_of[id(mine)], rank)
+                for _, mine, new in replaced:
+                    _replace(modules, mine, new)
     return called
 
 
-def _call_on(
-    fn: Callable[[torch.nn.Module], object],
-    owner: torch.nn.Module,
-    path: str,
+def _root_init(root: torch.nn.Module, rank: int) -> Callable[[], object]:
+    """The model's own `init_weights()` (or `reset_parameters()`), called
+    with no argument, as torchtitan's models initialise from their root."""
+    for name in ("init_weights", "reset_parameters"):
+        method = getattr(root, name, None)
+        if not callable(method):
+            continue
+        try:
+            required = [
+                p.name
+                for p in inspect.signature(method).parameters.values()
+                if p.default is inspect.Parameter.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            ]
+        except (TypeError, ValueError):  # no signature (a builtin): call it as it is
+            required = []
+        if required:
+            raise TypeError(
+                f"init_weights(): rank {rank}: {type(root).__name__}.{name} takes {required}, "
+                "so it initialises one module, not the model from its root; pass it as the "
+                f"function: runner.init_weights({type(root).__name__}.{name})"
+            )
+        return cast(Callable[[], object], method)
+    raise TypeError(
+        f"init_weights(): rank {rank}: the model ({type(root).__name__}) has no init_weights() "
+        "or reset_parameters() method to call on its root; pass a function that initialises "
+        "one module, runner.init_weights(fn), which is called on each submodule holding a "
+        "tensor of this rank's stages"
+    )
+
+
+_Slots = dict[str, Any]
+
+
+def _swapped_call(
+    call: Callable[[], object],
+    owners: list[tuple[str, torch.nn.Module]],
     local: dict[str, torch.Tensor],
     held: set[int],
-    modules: dict[int, torch.nn.Module],
-) -> int:
-    swapped: list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]] = []
-    for slots in _slots(owner):
-        for leaf, t in list(slots.items()):
-            if t is None:
-                continue
-            mine = t if id(t) in held else local.get(f"{path}.{leaf}" if path else leaf)
-            if mine is not None:
-                swapped.append((slots, leaf, t, mine))
-                slots[leaf] = mine
-    if not swapped:
-        return 0
+) -> list[tuple[str, torch.Tensor, torch.Tensor]] | None:
+    """Runs `call` with this rank's tensors in the slots of `owners` (the
+    model's modules), then puts every slot back as it was; returns the local
+    tensors `call` replaced, as (name, local tensor, new tensor), or None if
+    no owner holds a local tensor (`call` is not made)."""
+    slots: list[tuple[str, _Slots, str, Any, torch.Tensor | None]] = []
+    for path, owner in owners:
+        for table in _slots(owner):
+            for leaf, t in list(table.items()):
+                name = f"{path}.{leaf}" if path else leaf
+                mine = None
+                if t is not None:
+                    mine = t if id(t) in held else local.get(name)
+                slots.append((name, table, leaf, t, mine))
+    if not any(mine is not None for *_, mine in slots):
+        return None
+    for _, table, leaf, _, mine in slots:
+        if mine is not None:
+            table[leaf] = mine
     try:
-        fn(owner)
+        call()
     finally:
-        for slots, leaf, original, mine in swapped:
-            now = slots.get(leaf)
-            if now is not None and now is not mine:
-                _replace(modules, mine, now)
-            if original is not mine:
-                slots[leaf] = original  # the model keeps its own (meta) tensor
-    return 1
+        replaced = []
+        for name, table, leaf, original, mine in slots:
+            now = table.get(leaf)
+            if mine is not None and now is not None and now is not mine:
+                replaced.append((name, mine, now))
+            # The model keeps its own (meta) tensors, whatever `call` assigned.
+            table[leaf] = original
+    return replaced
+
+
+def _check_replacement(
+    name: str, mine: torch.Tensor, new: torch.Tensor, stage: int, rank: int
+) -> None:
+    """A tensor the init function assigned in place of a local one must fit
+    where the stage uses it."""
+    where = f"init_weights: rank {rank}: the init function replaced '{name}' (stage {stage})"
+    if isinstance(mine, DTensor) or isinstance(new, DTensor):
+        raise ValueError(
+            f"{where}; the stage holds it as an FSDP shard (DTensor), which must be written in "
+            "place (torch.nn.init.*_, .copy_) rather than replaced"
+        )
+    need = (tuple(mine.shape), mine.dtype, mine.device)
+    given = (tuple(new.shape), new.dtype, new.device)
+    if need != given:
+        raise ValueError(
+            f"{where} with a tensor of shape {given[0]}, dtype {given[1]} on {given[2]}, but "
+            f"the stage needs shape {need[0]}, dtype {need[1]} on {need[2]}: write into the "
+            "tensor in place (torch.nn.init.*_, .copy_) or assign one of that shape, dtype and "
+            "device"
+        )
 
 
 def _replace(modules: dict[int, torch.nn.Module], old: torch.Tensor, new: torch.Tensor) -> None:

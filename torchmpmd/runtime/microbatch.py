@@ -39,7 +39,10 @@ class Microbatcher:
 
     def rows(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[list[Any]]:
         """Per microbatch, the flat inputs in the traced order (shapes not checked)."""
-        flat = self._pipe.flatten_structure(args, kwargs)
+        return self.split(self._pipe.flatten_structure(args, kwargs))
+
+    def split(self, flat: list[Any]) -> list[list[Any]]:
+        """Per microbatch, its piece of the flat inputs (`Pipe.flatten_structure`)."""
         m = self.num_microbatches
         columns = []
         for name, value in zip(self._pipe.input_names, flat, strict=True):
@@ -62,13 +65,17 @@ class Microbatcher:
             else:
                 check_input(name, expected, value)
 
-    def targets(self, target: Any) -> list[Any]:
-        """Per microbatch, its piece of `target` (None: no target)."""
+    def targets(self, target: Any, flat: list[Any] | None = None) -> list[Any]:
+        """Per microbatch, its piece of `target` (None: no target). Given the
+        flat inputs, the target must split into the same rows as they do."""
         m = self.num_microbatches
         if target is None:
             return [None] * m
         dim = self._chunk_dims.get("target", 0)
         leaves, spec = pytree.tree_flatten(target)
+        _refuse_numbers(target)
+        if flat is not None and dim is not None:
+            self._check_rows(leaves, dim, flat)
         split = [
             _chunk(leaf, m, dim, "target")
             if isinstance(leaf, torch.Tensor) and dim is not None
@@ -76,6 +83,47 @@ class Microbatcher:
             for leaf in leaves
         ]
         return [pytree.tree_unflatten([col[i] for col in split], spec) for i in range(m)]
+
+    def _check_rows(self, leaves: list[Any], dim: int, flat: list[Any]) -> None:
+        """Targets and inputs split together: the target's tensors have as many
+        rows (along their split dimension) as the first split input."""
+        batch = next(
+            (
+                (name, value, d)
+                for name, value in zip(self._pipe.input_names, flat, strict=True)
+                if isinstance(value, torch.Tensor)
+                and (d := self._chunk_dims.get(name, 0)) is not None
+                and value.dim() > d
+            ),
+            None,
+        )
+        if batch is None:
+            return
+        name, value, d = batch
+        for leaf in leaves:
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            rows = leaf.shape[dim] if leaf.dim() > dim else None
+            if rows != value.shape[d]:
+                raise ValueError(
+                    f"the target has shape {tuple(leaf.shape)} but input '{name}' has shape "
+                    f"{tuple(value.shape)}: the target must have one row per example along "
+                    f"dimension {dim} ({value.shape[d]}, as '{name}' along dimension {d}), so that "
+                    "both split into the same microbatches; pass the target of this batch, or "
+                    "chunk_dims={'target': None} to give every microbatch the whole target"
+                )
+
+
+def _refuse_numbers(target: Any) -> None:
+    """A target given as a Python list of numbers (not a tensor) would reach
+    the loss whole, in every microbatch."""
+    if isinstance(target, (list, tuple)) and target:
+        leaves = pytree.tree_leaves(target)
+        if all(isinstance(v, (bool, int, float)) for v in leaves):
+            raise TypeError(
+                f"the target is a {type(target).__name__} of {len(leaves)} Python numbers; pass "
+                "a tensor (torch.tensor(target)), which splits into microbatches with the batch"
+            )
 
 
 def merge(pieces: list[Any]) -> Any:

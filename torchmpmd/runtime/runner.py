@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import math
+import re
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -18,21 +19,33 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from .. import _C
 from ..graph.pipe import Pipe, TensorSpec, unique_named_parameters
 from ..parallel.fsdp import Parallelize, Shard
-from ..parallel.replicate import Replicate
+from ..parallel.replicate import Replicate, broadcast_from_first
 from ..schedule.program import Program
-from ..schedule.task import Schedule
+from ..schedule.task import Schedule, recomputed_stages, require_schedule
 from ..schedule.timeline import Timeline, TimelineEvent, from_records
-from . import gloo_threads, heap
+from . import gloo_threads, heap, rank_rng
+from .checkin import Call, check_in
 from .compiled import CompiledPipe, Options, signature_of, traced_signature
-from .fingerprint import check_in, describe
+from .fingerprint import BatchPrint, batch_print, describe
 from .materialize import init_weights
 from .microbatch import merge
 from .stages import Evaluation, LossFn, Step, Training
-from .transport import Transport, TransportError, all_gather, broadcast, c10d_transport
+from .transport import (
+    FailureBoard,
+    Transport,
+    TransportError,
+    all_gather,
+    broadcast,
+    c10d_transport,
+)
 
 __all__ = ["PipelineRunner", "StepOutput"]
 
 _T = TypeVar("_T")
+
+# Tags of init_weights / load_state_dict's tied-weight copies (one per tie),
+# apart from program messages (small), results (1 << 30) and the check-in.
+_TIED_TAG = 0x7FFF0200
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,11 +133,13 @@ class PipelineRunner:
         keep_freed_memory: bool = True,
     ) -> None:
         require_pipe(pipe, "PipelineRunner")
+        _check_schedule(schedule, recompute, pipe.num_stages)
         _check_options(timeout, compile, max_early_recvs)
+        mode = _data_parallel_mode(data_parallel, parallelize, mesh)
         dp_group: dist.ProcessGroup | None = None
         if mesh is not None:
             group, dp_group = _mesh_groups(mesh, group, transport)
-        self._transport = _connect(group, transport)
+        self._transport, self._board = _connect(group, transport)
         self.rank: int = self._transport.rank
         self.num_ranks: int = self._transport.size
         full, selective = _recompute_policy(recompute, pipe.num_stages)
@@ -170,16 +185,27 @@ class PipelineRunner:
         first = CompiledPipe(pipe, self._options, shared=None)
         self.dp_size = 1 if dp_group is None else dist.get_world_size(dp_group)
         self._dp_group = dp_group
+        # The replicas check in over their own group: they must make the same
+        # calls (each steps on its own shard).
+        self._dp_transport: Transport | None = None
+        self._dp_board: FailureBoard | None = None
+        if dp_group is not None:
+            self._dp_transport, self._dp_board = c10d_transport(dp_group)
+        # This rank in messages: its pipeline rank, and its global rank where
+        # that differs (a mesh).
+        self._me = f"rank {self.rank}"
+        if transport is None and dist.get_rank() != self.rank:
+            self._me += f" (global rank {dist.get_rank()})"
+        self._bucket_bytes = bucket_bytes
         self._dp: Replicate | Shard | None = None
-        mode = data_parallel or ("replicate" if dp_group is not None else None)
-        if mode not in (None, "replicate", "fsdp"):
-            raise ValueError(f"data_parallel={mode!r}: use 'replicate' or 'fsdp'")
-        if parallelize is not None and mode != "fsdp":
-            raise ValueError("parallelize= applies to data_parallel='fsdp'")
-        if mode is not None and (mesh is None or dp_group is None):
-            raise ValueError(
-                f"data_parallel={mode!r} needs a mesh with a 'dp' dimension, e.g. "
-                "init_device_mesh('cpu', (pp, dp), mesh_dim_names=('pp', 'dp'))"
+        if dp_group is not None:
+            # Replicas start from dp rank 0's weights, as DDP's do (before FSDP
+            # shards them); tensors allocated for a meta model get theirs at
+            # init_weights / load_state_dict.
+            broadcast_from_first(
+                dp_group,
+                [t for t in _local_state(first) if not first.stages.allocation.allocated(t)],
+                bucket_bytes,
             )
         if mode == "replicate" and dp_group is not None:
             self._dp = Replicate(
@@ -196,6 +222,8 @@ class PipelineRunner:
                 parallelize,
                 bucket_bytes,
             )
+            # The shards were cut from allocated garbage: still unwritten.
+            first.stages.allocation.follow(first.stages.modules)
         self._first = first
         # One compiled pipe per input signature, the traced one first.
         self._compiled = {traced_signature(pipe): first}
@@ -207,7 +235,8 @@ class PipelineRunner:
         self.num_traces = 0
         self.timeline: Timeline | None = None
         self._checked_same_job = False
-        self._calls = 0  # step and eval_step calls that reached the check-in
+        # Collective calls that reached their check-in.
+        self._calls = 0
         # Whether this runner has exchanged messages with its peers (after
         # that, a failure may leave messages in flight).
         self.communicated = False
@@ -226,22 +255,44 @@ class PipelineRunner:
                 "split into microbatches like the traced example"
             )
         if compiled is None:
-            compiled = CompiledPipe(self._pipe.retrace(row), self._options, shared=self._first)
+            compiled = CompiledPipe.retraced(self._pipe, row, self._options, shared=self._first)
             self._compiled[signature] = compiled
             self.num_traces += 1
         return compiled
 
-    def _microbatches(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Batch:
-        """The microbatches' flat inputs, and per microbatch the compiled pipe
-        for its signature (a batch that does not divide evenly has two)."""
-        rows = self._first.microbatcher.rows(args, kwargs)
+    def _batch(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, call: str
+    ) -> _Batch:
+        """The call's microbatches (flat inputs and targets), per microbatch
+        the compiled pipe for its signature (a batch that does not divide
+        evenly has two), and the batch's fingerprint. Every check here is
+        local, before any message: a refused call leaves the runner usable."""
+        try:
+            flat = self._pipe.flatten_structure(args, kwargs)
+        except TypeError as err:
+            if call == "step" and target is None and args:
+                raise TypeError(
+                    f"{err}; if the last positional argument is the target, pass it as "
+                    "step(..., target=y)"
+                ) from None
+            raise
+        _check_dtypes(self._pipe, flat)
+        microbatcher = self._first.microbatcher
+        rows = microbatcher.split(flat)
+        targets = microbatcher.targets(target, flat)
         per_mb = [self._compiled_for(row) for row in rows]
         shapes: dict[tuple[int, int], list[int]] = {}
         for i, (row, compiled) in enumerate(zip(rows, per_mb, strict=True)):
             compiled.microbatcher.check(i, row)
             if compiled is not per_mb[0]:
                 shapes.update(per_mb[0].shapes_of(compiled, i))
-        return _Batch(inputs=rows, per_mb=per_mb, shapes=shapes)
+        return _Batch(
+            inputs=rows,
+            targets=targets,
+            per_mb=per_mb,
+            shapes=shapes,
+            fingerprint=batch_print(list(zip(self._pipe.input_names, flat, strict=True)), target),
+        )
 
     # ---- public API
 
@@ -250,33 +301,24 @@ class PipelineRunner:
 
         Gradients accumulate into the local parameters (`.grad`), as a loop of
         `(loss_fn(model(mb), target_mb) / num_microbatches).backward()` would.
-        Returns the mean loss on every rank.
+        Returns the mean loss on every rank. Collective: every rank of the
+        pipeline passes the same batch (checked: `docs/reliability.md`).
         """
         self._refuse_if_failed()
         self._stages.allocation.check(self._stages.modules, self.rank)
-        try:
-            batch = self._microbatches(args, kwargs)
-        except TypeError as err:
-            if target is None and args:
-                raise TypeError(
-                    f"{err}; if the last positional argument is the target, pass it as "
-                    "step(..., target=y)"
-                ) from None
-            raise
-        with self._exchanging("step"):  # after local checks: they need no peer
-            return self._step(batch, target)
+        batch = self._batch(args, kwargs, target, "step")
+        with self._exchanging("step", batch=batch.fingerprint):
+            return self._step(batch)
 
-    def _step(self, batch: _Batch, target: Any) -> StepOutput:
-        self._check_in("step")
+    def _step(self, batch: _Batch) -> StepOutput:
         compiled = batch.per_mb[0]
-        step = Step(inputs=batch.inputs, targets=compiled.microbatcher.targets(target))
+        step = Step(inputs=batch.inputs, targets=batch.targets)
         dp = self._dp
         if dp is not None:
             dp.start_step()  # before split stages are traced: FSDP gathers here
         for mb, c in batch.first_uses():
             c.stages.prepare(step, mb)
         fns = Training([c.stages for c in batch.per_mb], step)
-        self.communicated = True
         with _original_errors(step, _GRADS_NOTE):
             compiled.executor.run(
                 fns.forward,
@@ -284,6 +326,9 @@ class PipelineRunner:
                 fns.weight_grad,
                 shapes=batch.shapes,
                 stage_done=None if dp is None else dp.stage_done,
+                # Ranks as threads replay a recompute's random numbers from
+                # their own generator (rank_rng.py), not the shared one.
+                replay_rng=not rank_rng.in_rank_thread(),
             )
         if dp is not None:
             dp.finish()
@@ -299,7 +344,7 @@ class PipelineRunner:
             losses = torch.stack([_done(loss).double() for loss in step.losses]).to(self.device)
         else:
             losses = torch.empty(self.num_microbatches, dtype=torch.float64, device=self.device)
-        self._share(losses)
+        self._share(losses, "the step's losses")
         loss = losses.mean()
         if self._dp_group is not None:
             # The global batch's loss: the mean over every shard's microbatches.
@@ -310,18 +355,18 @@ class PipelineRunner:
     @torch.no_grad()
     def eval_step(self, *args: Any, **kwargs: Any) -> Any:
         """Forward only, keeping no autograd state; the model's output for the
-        whole batch (microbatch outputs concatenated) on every rank."""
+        whole batch (microbatch outputs concatenated) on every rank.
+        Collective, like `step`."""
         self._refuse_if_failed()
         self._stages.allocation.check(self._stages.modules, self.rank)
-        batch = self._microbatches(args, kwargs)
-        with self._exchanging("eval_step"):
+        batch = self._batch(args, kwargs, None, "eval_step")
+        _check_mergeable(batch.per_mb, self.num_microbatches, self._options.chunk_dims)
+        with self._exchanging("eval_step", batch=batch.fingerprint):
             return self._eval_step(batch)
 
     def _eval_step(self, batch: _Batch) -> Any:
-        self._check_in("eval_step")
         step = Step(inputs=batch.inputs, targets=[])
         evaluation = Evaluation([c.stages for c in batch.per_mb], step)
-        self.communicated = True
         with _original_errors(step):
             batch.per_mb[0].eval_executor().run(evaluation.forward, shapes=batch.shapes)
         if isinstance(self._dp, Shard):
@@ -331,43 +376,87 @@ class PipelineRunner:
         names = [n for n in pipe.output_names if n is not None]
         return pipe.unflatten_outputs(dict(zip(names, flat, strict=True)))
 
+    def _transports(self) -> list[tuple[Transport, FailureBoard | None]]:
+        pairs = [(self._transport, self._board)]
+        if self._dp_transport is not None:
+            pairs.append((self._dp_transport, self._dp_board))
+        return pairs
+
     @contextlib.contextmanager
-    def _exchanging(self, call: str) -> Iterator[None]:
-        """Around every exchange with the peers: watches for another rank's
-        failure (which then ends this rank's waits at once, naming it), and
-        on a failure here tells the peers, so that nobody waits out its
-        timeout for a rank that already gave up."""
-        self._transport.arm()
+    def _exchanging(
+        self, call: str, *, options: str = "", batch: BatchPrint | None = None
+    ) -> Iterator[None]:
+        """Around every collective call: checks in with the peers (the same
+        call, options and batch on every rank: `checkin.py`), watches for
+        another rank's failure (which then ends this rank's waits at once,
+        naming it), and on a failure here tells the peers, so that nobody
+        waits out its timeout for a rank that already gave up. A
+        KeyboardInterrupt stays one (after telling the peers)."""
+        self._refuse_if_failed()
+        self._calls += 1
+        self.communicated = True
+        for t, _ in self._transports():
+            t.arm()
         try:
+            self._check_in(Call(self._calls, call, options, batch))
             yield
         except BaseException as err:
-            reason = self._transport.abort_reason
+            reason = self._abort_reason()
+            if reason is None and isinstance(err, (TransportError, PipelineError)):
+                # A peer may have posted its failure before this rank's watch
+                # saw it (and then exited, closing its connections): its
+                # reason is the cause.
+                reason = next((b.peek() for _, b in self._transports() if b is not None), None)
+                if reason is not None and type(err) is PipelineError:
+                    self.failed_first = False
+                    failed = PipelineError(f"{err}; it failed first: {reason}")
+                    self._fail(f"{self._me} failed in {call}: {failed}")
+                    raise failed from err
             # First to fail, or failing because a peer did?
             self.failed_first = reason is None
             if not isinstance(err, TransportError):
-                self._transport.fail(f"rank {self.rank} failed in {call}: {_first_line(err)}")
+                self._fail(f"{self._me} failed in {call}: {_first_line(err)}")
                 raise
             failed = PipelineError(self._outside_executor(call, err, reason))
-            self._transport.fail(f"rank {self.rank} failed in {call}: {failed}")
+            self._fail(f"{self._me} failed in {call}: {failed}")
             raise failed from err
         finally:
-            self._transport.disarm()
+            for t, _ in self._transports():
+                t.disarm()
+
+    def _abort_reason(self) -> str | None:
+        return next((r for t, _ in self._transports() if (r := t.abort_reason) is not None), None)
+
+    def _fail(self, reason: str) -> None:
+        """Tells every group this rank talks to that it failed."""
+        for t, _ in self._transports():
+            t.fail(reason)
 
     def _outside_executor(self, call: str, err: Exception, reason: str | None) -> str:
-        """A failed wait outside the executor (the check-in, results shared at
-        the end of a step), with this rank's context, as the executor gives."""
-        if reason is not None and str(err) == reason:
-            return f"torchmpmd: rank {self.rank} stopped {call}, because {reason}"
-        return (
-            f"torchmpmd: rank {self.rank} failed in {call} while exchanging the call "
-            f"check-in or the step's results with its peers ({self._transport.name}): "
-            f"{err}. A peer may have died or be stuck; if it is only slow, raise the "
-            f"timeout ({self._timeout:g} s)"
-        )
+        """A failed exchange outside the executor (the check-in, results
+        shared at the end of a step, a collective), with this rank's context,
+        as the executor gives."""
+        if reason is not None:
+            hint = (
+                f" (this rank came to {call} after a peer had stopped waiting for it: if it was "
+                f"busy between calls (evaluation, a checkpoint), raise the timeout, "
+                f"{self._timeout:g} s)"
+                if self._waited_for_here(reason)
+                else ""
+            )
+            return f"torchmpmd: {self._me} stopped {call}, because {reason}{hint}"
+        return f"torchmpmd: {self._me} failed in {call}: {err}"
+
+    def _waited_for_here(self, reason: str) -> bool:
+        """Whether a peer's failure `reason` is that it gave up waiting for this rank."""
+        names = [f"(?<!global )rank {self.rank}"]
+        if self._dp_group is not None:
+            names.append(f"global rank {dist.get_rank()}")
+        return re.search(f"(?:{'|'.join(names)}) did not answer within", reason) is not None
 
     def _refuse_if_failed(self) -> None:
         """A runner whose exchange failed (here or on a peer) is not reused."""
-        reason = self._transport.abort_reason
+        reason = self._abort_reason()
         if reason is None:
             return
         raise PipelineError(
@@ -379,32 +468,102 @@ class PipelineRunner:
             "mpmd.checkpoint.latest(dir)"
         )
 
-    def _check_in(self, kind: str) -> None:
-        """Every rank makes the same call (step or eval_step, counted) and, at
-        the first, was given the same job (fingerprint.py)."""
+    def _check_in(self, call: Call) -> None:
+        """Every rank makes the same call, with the same options and batch,
+        and at the first call was given the same job (checkin.py)."""
         from .. import __version__
 
-        self._calls += 1
         if self._gloo_hold is not None:
             self._gloo_hold.cover()
-        texts = None if self._checked_same_job else describe(self._pipe, self.program, __version__)
-        self.communicated = True
-        check_in(self._transport, self._timeout, self._calls, kind, texts, self.device)
+        job = None if self._checked_same_job else describe(self._pipe, self.program, __version__)
+        check_in(self._transport, self._timeout, call, self.device, job=job)
+        if self._dp_transport is not None and self._dp_group is not None:
+            group = self._dp_group
+            check_in(
+                self._dp_transport,
+                self._timeout,
+                call,
+                self.device,
+                replicas=True,
+                name=lambda r: f"global rank {dist.get_global_rank(group, r)}",
+            )
         self._checked_same_job = True
 
-    def init_weights(self, fn: Callable[[torch.nn.Module], object]) -> None:
-        """Initialises this rank's stages: calls `fn(m)` on each of the model's
-        submodules that owns a parameter or buffer of a local stage, with this
-        rank's tensors in place of its own while `fn` runs (the model keeps
-        its own). The model's `reset_parameters` / `_init_weights` work as
-        `fn`; it must also compute non-persistent buffers (RoPE tables) of a
-        model built on the meta device, which no state dict holds."""
+    def init_weights(self, fn: Callable[[torch.nn.Module], object] | None = None) -> None:
+        """Initialises this rank's stages (collective: call on every rank).
+
+        `init_weights(fn)` calls `fn(m)` on each of the model's submodules
+        that owns a parameter or buffer of a local stage, with this rank's
+        tensors in place of its own while `fn` runs (the model keeps its
+        own): the model's `reset_parameters` / `_init_weights` work as `fn`.
+        `init_weights()` calls the model's own root `init_weights()` (or
+        `reset_parameters()`) once, as torchtitan's models initialise, with
+        every local tensor swapped in and the others left on the meta device,
+        where writes cost nothing. Either must also compute the
+        non-persistent buffers (RoPE tables) of a model built on the meta
+        device, which no state dict holds. A tensor the init replaces rather
+        than writes must keep the stage's shape, dtype and device.
+
+        Then the copies of each tied weight take the value of the rank that
+        holds the tie's first stage, and data-parallel replicas take dp rank
+        0's values, so every rank must call it.
+        """
+        if fn is not None and not callable(fn):
+            raise TypeError(
+                "init_weights: fn must be a function of one module (e.g. the model's "
+                "_init_weights), or nothing to call the model's own init_weights(); got "
+                f"{type(fn).__name__}"
+            )
         modules = {s: self._stages.modules[s] for s in self.local_stages}
-        if not init_weights(fn, modules, self._pipe.source, self._pipe.parameter_aliases):
+        if not init_weights(
+            fn, modules, self._pipe.source, self._pipe.parameter_aliases, self.rank
+        ):
             raise ValueError(
                 f"init_weights: rank {self.rank} found no module of the model owning a tensor of "
                 f"its stages {self.local_stages}"
             )
+        self._sync_tied("init_weights")
+
+    def _sync_tied(self, call: str) -> None:
+        """Makes the copies of each tied weight equal, then the replicas:
+        the rank holding a tie's first stage (its owner, as
+        `_counted_parameters` counts it) sends its copy to every other rank
+        holding one; then dp rank 0 broadcasts this rank's parameters and
+        buffers to its replicas. Collective whenever a tie spans ranks or
+        there are replicas (the same on every rank), so every rank checks in.
+
+        Blocking sends cannot deadlock: every rank walks the ties in the
+        plan's order and, per tie, the owner sends to the holders in rank
+        order, so the first unfinished pair always has both ends ready.
+        """
+        placement = self.program.placement
+        spans_ranks = False
+        mine = []
+        for i, tie in enumerate(self._pipe.plan.tied):
+            holders = sorted({placement[s] for s in tie.stages})
+            spans_ranks |= len(holders) > 1
+            if self.rank in holders and len(holders) > 1:
+                owner = placement[min(tie.stages)]
+                param = self._first.tied_parameters[tie.node]
+                mine.append((_TIED_TAG + i, param, owner, holders))
+        if not spans_ranks and self._dp_group is None:
+            return
+        with self._exchanging(call), torch.no_grad():
+            for tag, param, owner, holders in mine:
+                if self.rank == owner:
+                    for peer in holders:
+                        if peer != owner:
+                            self._transport.send(param.detach(), peer, tag, self._timeout)
+                else:
+                    value = torch.empty_like(param)
+                    self._transport.recv(value, owner, tag, self._timeout)
+                    param.copy_(value)
+            if self._dp_group is not None:
+                # FSDP shards have one holder each: nothing to make equal.
+                tensors = [t for t in _local_state(self._first) if not isinstance(t, DTensor)]
+                # A tensor dp rank 0 left unwritten is garbage on every replica alike.
+                with self._stages.allocation.copies_only():
+                    broadcast_from_first(self._dp_group, tensors, self._bucket_bytes)
 
     @property
     def timeout(self) -> float:
@@ -441,10 +600,14 @@ class PipelineRunner:
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-        """Loads this rank's entries from a (full or per-rank) state dict.
+        """Loads this rank's entries from a (full or per-rank) state dict
+        (collective: call on every rank).
 
         Keys of other ranks' stages are ignored. With `strict`, every local
-        entry must be present under one of its names.
+        entry must be present under one of its names. Then, as after
+        `init_weights`, the copies of each tied weight take the value of the
+        rank holding the tie's first stage, and data-parallel replicas take
+        dp rank 0's values.
         """
         if not isinstance(state_dict, Mapping):
             raise TypeError(
@@ -488,6 +651,7 @@ class PipelineRunner:
                 t.copy_(value)
         if strict and missing:
             raise KeyError(f"load_state_dict: rank {self.rank} found no entry for {missing}")
+        self._sync_tied("load_state_dict")
 
     @torch.no_grad()
     def clip_grad_norm_(
@@ -502,7 +666,8 @@ class PipelineRunner:
         local gradient, tied copies included, is scaled by
         `min(1, max_norm / (norm + 1e-6))`. Returns the total norm on every rank.
         """
-        norm_type = float(norm_type)
+        max_norm, norm_type = _clip_options(max_norm, norm_type)
+        options = f"max_norm={max_norm!r}, norm_type={norm_type!r}"
         counted = self._counted_parameters()
         grads = [p.grad for p in counted if p.grad is not None]
         inf = norm_type == float("inf")
@@ -518,14 +683,20 @@ class PipelineRunner:
         # over dp too; replicated gradients are equal on every replica.
         shards = [g.to_local() for g in grads if isinstance(g, DTensor)]
         local = reduce([g for g in grads if not isinstance(g, DTensor)])
-        if shards and self._dp_group is not None:
-            sharded = reduce(shards).to(self.device)
-            op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-            dist.all_reduce(sharded, op=op, group=self._dp_group)
-            local = torch.maximum(local, sharded) if inf else local + sharded
-        self._refuse_if_failed()
-        with self._exchanging("clip_grad_norm_"):
-            parts = all_gather(self._transport, local.reshape(1, 1).to(self.device), self._timeout)
+        with self._exchanging("clip_grad_norm_", options=options):
+            # After the check-in: a replica that does not clip fails the
+            # check-in instead of leaving this all-reduce waiting.
+            if shards and self._dp_group is not None:
+                sharded = reduce(shards).to(self.device)
+                op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+                dist.all_reduce(sharded, op=op, group=self._dp_group)
+                local = torch.maximum(local, sharded) if inf else local + sharded
+            parts = all_gather(
+                self._transport,
+                local.reshape(1, 1).to(self.device),
+                self._timeout,
+                "the gradients' norms",
+            )
         gathered = torch.cat([part.reshape(-1) for part in parts])
         total = gathered.max() if inf else gathered.sum().pow(1.0 / norm_type)
         if error_if_nonfinite and not bool(torch.isfinite(total)):
@@ -575,9 +746,9 @@ class PipelineRunner:
             dtype=torch.float64,
             device=self.device,
         )
-        self._refuse_if_failed()
         with self._exchanging("gather_timeline"):
-            parts = [p.cpu().tolist() for p in all_gather(self._transport, rows, self._timeout)]
+            gathered = all_gather(self._transport, rows, self._timeout, "the timelines")
+            parts = [p.cpu().tolist() for p in gathered]
         events = [
             TimelineEvent(rank, kinds[int(k)], int(s), int(mb), start, end, "", int(h), int(b))
             for rank, part in enumerate(parts)
@@ -588,23 +759,19 @@ class PipelineRunner:
 
     # ---- results shared from the last stage's rank
 
-    def _share(self, tensor: torch.Tensor) -> None:
-        broadcast(self._transport, tensor, self._loss_rank, self._timeout)
+    def _share(self, tensor: torch.Tensor, what: str) -> None:
+        broadcast(self._transport, tensor, self._loss_rank, self._timeout, what)
 
     def _share_outputs(
         self, pipes: list[Pipe], outputs: list[list[Any] | None]
     ) -> list[torch.Tensor]:
         """The loss rank's merged outputs, on every rank (shapes come from the
-        plans of the microbatches' pipes)."""
+        plans of the microbatches' pipes; `_check_mergeable` passed them)."""
         specs = [p.stage_specs[p.num_stages - 1] for p in pipes]
         spec = specs[0]
         out = []
         for i, one in enumerate(spec.output_specs[spec.num_sends :]):
-            if one is None:
-                raise TypeError(
-                    f"eval_step: model output '{spec.output_names[spec.num_sends + i]}' is not a "
-                    "tensor; pipelines return tensors (and constants) only"
-                )
+            assert one is not None  # _check_mergeable
             if self.rank == self._loss_rank:
                 t = merge([_done(o)[i] for o in outputs]).contiguous()
             else:
@@ -612,19 +779,22 @@ class PipelineRunner:
                 rows = sum(p.shape[0] if p is not None and p.shape else 1 for p in pieces)
                 shape = (rows, *one.shape[1:]) if one.shape else (rows,)
                 t = torch.empty(shape, dtype=one.dtype, device=self.device)
-            self._share(t)
+            self._share(t, f"the model output '{spec.output_names[spec.num_sends + i]}'")
             out.append(t)
         return out
 
 
 @dataclass(frozen=True, slots=True)
 class _Batch:
-    """One call's microbatches: flat inputs, compiled pipe and transfer shapes."""
+    """One call's microbatches: flat inputs and targets, compiled pipe,
+    transfer shapes, and the batch's fingerprint for the check-in."""
 
     inputs: list[list[Any]]
+    targets: list[Any]  # per microbatch (None without a target)
     per_mb: list[CompiledPipe]
     # (value, microbatch) -> shape, where a microbatch's differ from the first's
     shapes: dict[tuple[int, int], list[int]]
+    fingerprint: BatchPrint
 
     def first_uses(self) -> list[tuple[int, CompiledPipe]]:
         """Each distinct compiled pipe with the first microbatch it runs."""
@@ -637,8 +807,13 @@ class _Batch:
 def _recompute_policy(
     recompute: bool | str | Iterable[int] | Mapping[int, str], num_stages: int
 ) -> tuple[frozenset[int], frozenset[int]]:
-    """The stages recomputed in full (R tasks) and selectively."""
+    """The stages recomputed in full (R tasks) and selectively. They add to
+    what the schedule recomputes itself (`with_recompute`)."""
     every = range(num_stages)
+    usage = (
+        "use False (the default: none), True or 'full' (every stage), 'selective', stage "
+        "indices like [0, 1], or {stage: 'full' | 'selective'}"
+    )
     if recompute is False:
         return frozenset(), frozenset()
     if recompute is True or recompute == "full":
@@ -646,17 +821,27 @@ def _recompute_policy(
     if recompute == "selective":
         return frozenset(), frozenset(every)
     if isinstance(recompute, str):
-        raise ValueError(
-            f"recompute={recompute!r}: use 'full', 'selective', True, stage indices or "
-            "{stage: 'full' | 'selective'}"
+        raise ValueError(f"recompute={recompute!r}: {usage}")
+    if isinstance(recompute, int):
+        other = "False for none" if recompute == 0 else "True for every stage"
+        raise TypeError(
+            f"recompute={recompute!r}: an int is not a collection of stages; pass "
+            f"[{recompute}] to recompute stage {recompute} in full, or {other}"
         )
+    if not isinstance(recompute, Iterable):  # Mapping is Iterable
+        raise TypeError(f"recompute={recompute!r} ({type(recompute).__name__}): {usage}")
     modes = (
         dict(recompute.items())
         if isinstance(recompute, Mapping)
         else dict.fromkeys(recompute, "full")
     )
     for stage, mode in modes.items():
-        if not isinstance(stage, int) or not 0 <= stage < num_stages:
+        if not isinstance(stage, int) or isinstance(stage, bool):
+            raise TypeError(
+                f"recompute names stage {stage!r} ({type(stage).__name__}); a stage is an int "
+                f"index, 0..{num_stages - 1}"
+            )
+        if not 0 <= stage < num_stages:
             raise ValueError(
                 f"recompute names stage {stage!r}; the pipeline has stages 0..{num_stages - 1}"
             )
@@ -670,6 +855,26 @@ def _recompute_policy(
     )
 
 
+def _check_schedule(
+    schedule: object,
+    recompute: bool | str | Iterable[int] | Mapping[int, str],
+    num_stages: int,
+) -> None:
+    """The runner's schedule: an mpmd.Schedule that recomputes no stage both
+    in full (its own R tasks) and selectively (`recompute`). Full recompute
+    asked twice (`with_recompute` and recompute=True) is one recompute."""
+    sched = require_schedule(schedule, "PipelineRunner")
+    _, selective = _recompute_policy(recompute, num_stages)
+    both = sorted(selective & recomputed_stages(sched, num_stages))
+    if both:
+        raise ValueError(
+            f"PipelineRunner: the schedule recomputes stages {both} in full (R tasks, "
+            f"{sched!r}) and recompute={recompute!r} asks for them selectively; choose one "
+            "per stage: leave them out of with_recompute(...), or out of recompute (e.g. "
+            "{stage: 'selective'} for the other stages)"
+        )
+
+
 @contextlib.contextmanager
 def _original_errors(step: Step, note: str = "") -> Iterator[None]:
     """Re-raises the executor's PipelineError (with `note` appended) as one
@@ -680,10 +885,20 @@ def _original_errors(step: Step, note: str = "") -> Iterator[None]:
     except PipelineError as err:
         failed = PipelineError(f"{err}{note}")
         if not step.errors:
+            # Ctrl-C can land as a callable is entered, before its own
+            # handler records it: the executor's message still names it.
+            if _INTERRUPTED.search(str(err)):
+                raise KeyboardInterrupt from failed
             raise failed from err
         cause = step.errors[0]
+        if not isinstance(cause, Exception):
+            # KeyboardInterrupt, SystemExit: `except Exception` must not
+            # swallow Ctrl-C; it stays what it was.
+            raise cause from failed
         raise _as_type(failed, type(cause)) from cause
 
+
+_INTERRUPTED = re.compile(r"\) failed: KeyboardInterrupt\b")
 
 # A failed training step leaves what its finished microbatches accumulated.
 _GRADS_NOTE = (
@@ -777,8 +992,145 @@ def _mesh_groups(
     return pp, dp
 
 
-def _connect(group: dist.ProcessGroup | None, transport: Transport | None) -> Transport:
-    """The transport of this runner: the one given, or c10d over `group` (default: world)."""
+def _data_parallel_mode(
+    data_parallel: str | None, parallelize: Parallelize | None, mesh: DeviceMesh | None
+) -> str | None:
+    """How the stages are replicated over the mesh's "dp" dimension (None:
+    not at all), checked before anything is compiled or exchanged."""
+    has_dp = mesh is not None and "dp" in tuple(mesh.mesh_dim_names or ())
+    mode = data_parallel or ("replicate" if has_dp else None)
+    if mode not in (None, "replicate", "fsdp"):
+        raise ValueError(f"data_parallel={mode!r}: use 'replicate' or 'fsdp'")
+    if parallelize is not None and mode != "fsdp":
+        raise ValueError("parallelize= applies to data_parallel='fsdp'")
+    if mode is not None and not has_dp:
+        given = "none" if mesh is None else f"dimensions {tuple(mesh.mesh_dim_names or ())}"
+        raise ValueError(
+            f"PipelineRunner: data_parallel={mode!r} needs a mesh with a 'dp' dimension "
+            f"(mesh=, got {given}), e.g. init_device_mesh('cpu', (pp, dp), "
+            "mesh_dim_names=('pp', 'dp')); without data parallelism leave data_parallel unset"
+        )
+    return mode
+
+
+def _local_state(compiled: CompiledPipe) -> list[torch.Tensor]:
+    """This rank's parameters and buffers, once each, in stage order (the
+    same order on every replica)."""
+    seen: set[int] = set()
+    out = []
+    for s in compiled.local_stages:
+        module = compiled.stages.modules[s]
+        for t in [*module.parameters(), *module.buffers()]:
+            if id(t) not in seen:
+                seen.add(id(t))
+                out.append(t)
+    return out
+
+
+def _check_dtypes(pipe: Pipe, flat: list[Any]) -> None:
+    """A batch's tensors keep the dtypes the model was traced with: shapes
+    may change from step to step (each traced once), a dtype may not (a
+    float64 batch into float32 weights would fail in the middle of a step)."""
+    for name, spec, value in zip(pipe.input_names, pipe.input_specs, flat, strict=True):
+        if (
+            isinstance(spec, TensorSpec)
+            and isinstance(value, torch.Tensor)
+            and value.dtype != spec.dtype
+        ):
+            raise TypeError(
+                f"input '{name}' has dtype {value.dtype}, but the pipeline was traced with "
+                f"{spec.dtype}: pass it as {spec.dtype} (x.to({spec.dtype})), or trace the model "
+                f"again with {value.dtype} example inputs"
+            )
+
+
+def _clip_options(max_norm: Any, norm_type: Any) -> tuple[float, float]:
+    """clip_grad_norm_'s arguments as floats, checked before any exchange."""
+    for name, value in (("max_norm", max_norm), ("norm_type", norm_type)):
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(
+                f"clip_grad_norm_: {name} must be a number, got {value!r} "
+                f"({type(value).__name__}); e.g. runner.clip_grad_norm_(1.0)"
+            )
+    max_f, norm_f = float(max_norm), float(norm_type)
+    if math.isnan(max_f) or max_f < 0:
+        raise ValueError(f"clip_grad_norm_: max_norm must be >= 0, got {max_f}")
+    if math.isnan(norm_f) or norm_f <= 0:
+        raise ValueError(
+            f"clip_grad_norm_: norm_type must be positive (2.0, or float('inf')), got {norm_f}"
+        )
+    return max_f, norm_f
+
+
+def _check_mergeable(
+    per_mb: list[CompiledPipe], num_microbatches: int, chunk_dims: Mapping[str, int | None] | None
+) -> None:
+    """eval_step returns the whole batch's outputs rebuilt from the
+    microbatches': each tensor output is concatenated along dim 0. Refuses,
+    before anything runs, an output that cannot be rebuilt that way (a value
+    reduced over the microbatch, a number computed from it), instead of
+    returning what one microbatch gave."""
+    if num_microbatches == 1:
+        return
+    for compiled in {id(c): c for c in per_mb}.values():
+        pipe = compiled.pipe
+        rows = _microbatch_rows(pipe, chunk_dims)
+        spec = pipe.stage_specs[pipe.num_stages - 1]
+        names = iter(spec.output_names[spec.num_sends :])
+        specs = iter(spec.output_specs[spec.num_sends :])
+        for i, name in enumerate(pipe.output_names):
+            if name is None:
+                value = pipe.constant_outputs[i]
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    raise ValueError(
+                        f"eval_step: model output {i} is the number {value!r}, computed when the "
+                        "model was traced on one microbatch: it may depend on the batch (a "
+                        "shape, a count), and eval_step cannot rebuild it for the whole batch "
+                        "from microbatches; return it as a tensor with one row per example, "
+                        "compute it outside the model, or use a schedule of one microbatch"
+                    )
+                continue
+            out_name, one = next(names), next(specs)
+            if one is None:
+                raise TypeError(
+                    f"eval_step: model output '{out_name}' is not a tensor; pipelines return "
+                    "tensors (and constants) only"
+                )
+            if not one.shape:
+                raise ValueError(
+                    f"eval_step: model output '{out_name}' is a 0-d tensor per microbatch (a "
+                    "value reduced over it, such as a loss or a sum): eval_step concatenates "
+                    "the microbatches' outputs along dim 0, and a reduced value cannot be "
+                    "rebuilt for the whole batch from them; return per-example values and "
+                    "reduce after eval_step, or use a schedule of one microbatch"
+                )
+            if rows is not None and one.shape[0] != rows:
+                raise ValueError(
+                    f"eval_step: model output '{out_name}' has shape {one.shape} per "
+                    f"microbatch of {rows} rows: its dim 0 is not the batch, so concatenating "
+                    "the microbatches' outputs along it would not give the whole batch's "
+                    "output; return outputs with the batch first, or use a schedule of one "
+                    "microbatch"
+                )
+
+
+def _microbatch_rows(pipe: Pipe, chunk_dims: Mapping[str, int | None] | None) -> int | None:
+    """The rows of one microbatch: the size of the first input split along
+    dim 0 (None if no input is)."""
+    dims = dict(chunk_dims or {})
+    for name, spec in zip(pipe.input_names, pipe.input_specs, strict=True):
+        if isinstance(spec, TensorSpec) and dims.get(name, 0) == 0 and spec.shape:
+            return spec.shape[0]
+    return None
+
+
+def _connect(
+    group: dist.ProcessGroup | None, transport: Transport | None
+) -> tuple[Transport, FailureBoard | None]:
+    """The transport of this runner: the one given, or c10d over `group`
+    (default: world) with the board its ranks post failures on."""
     if transport is not None:
         if group is not None:
             raise ValueError("PipelineRunner: pass group or transport, not both")
@@ -787,7 +1139,7 @@ def _connect(group: dist.ProcessGroup | None, transport: Transport | None) -> Tr
                 f"PipelineRunner: transport must be a torchmpmd transport, got "
                 f"{type(transport).__name__}; wrap a process group with group=..."
             )
-        return transport
+        return transport, None
     if not dist.is_initialized():
         raise RuntimeError(
             "PipelineRunner: torch.distributed is not initialized; call "

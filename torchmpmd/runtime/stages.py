@@ -24,6 +24,7 @@ from ..graph.split import SELECTIVE_KEPT_OPS, SplitStage
 from .autograd_split import AutogradSplit
 from .materialize import allocate, retarget_devices
 from .microbatch import to_device
+from .rank_rng import checkpoint_rng, own_generator
 from .split_stages import autograd_forward, build_split_stage, split_inputs
 
 __all__: list[str] = []
@@ -101,7 +102,8 @@ class LocalStages:
         """Traces the F/I/W graphs of split stages, at the first step that
         runs them (with the values of its microbatch `mb`)."""
         for stage in sorted(self.split - set(self.split_graphs)):
-            self.split_graphs[stage] = build_split_stage(self, stage, step, mb)
+            with own_generator():  # tracing runs the forward: it draws
+                self.split_graphs[stage] = build_split_stage(self, stage, step, mb)
         for graphs in self.split_graphs.values():
             if isinstance(graphs, AutogradSplit):
                 graphs.reset()  # what a failed step left
@@ -120,11 +122,13 @@ class LocalStages:
         outputs; under selective recompute if the stage has it and grad is on."""
         args = (*self.user_inputs(step, stage, mb), *received)
         if stage in self.selective and torch.is_grad_enabled():
+            context_fn, preserve_rng_state = checkpoint_rng(selective_recompute_context)
             return torch.utils.checkpoint.checkpoint(
                 self._calls[stage],
                 *args,
                 use_reentrant=False,
-                context_fn=selective_recompute_context,
+                context_fn=context_fn,
+                preserve_rng_state=preserve_rng_state,
             )
         return self._calls[stage](*args)
 
@@ -197,9 +201,19 @@ class Training:
     def __init__(self, stages: list[LocalStages], step: Step) -> None:
         self._stages = stages
         self._step = step
+        # Ranks as threads: the generator state each forward started from,
+        # which its recompute (R, the second call) replays.
+        self._rng_at: dict[tuple[int, int], torch.Tensor] = {}
 
     @_recorded
     def forward(self, stage: int, mb: int, received: list[torch.Tensor]) -> list[torch.Tensor]:
+        key = (stage, mb)
+        with own_generator(replay=self._rng_at.get(key)) as start:
+            if start is not None:
+                self._rng_at.setdefault(key, start)
+            return self._forward(stage, mb, received)
+
+    def _forward(self, stage: int, mb: int, received: list[torch.Tensor]) -> list[torch.Tensor]:
         st, step = self._stages[mb], self._step
         split = st.split_graphs.get(stage)
         if split is not None:
@@ -253,7 +267,8 @@ class Evaluation:
     @_recorded
     def forward(self, stage: int, mb: int, received: list[torch.Tensor]) -> list[torch.Tensor]:
         st = self._stages[mb]
-        outs = st.call(self._step, stage, mb, received)
+        with own_generator():
+            outs = st.call(self._step, stage, mb, received)
         n = st.pipe.stage_specs[stage].num_sends
         if stage == st.last:
             self._step.outputs[mb] = list(outs[n:])

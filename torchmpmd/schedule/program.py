@@ -5,7 +5,7 @@ from __future__ import annotations
 from .. import _C
 from ..graph.pipe import Pipe
 from .costs import Costs, timeline_from_native
-from .task import Schedule, Task
+from .task import Schedule, Task, check_placement, require_schedule
 from .timeline import Timeline
 
 __all__ = ["Program", "compile_schedule"]
@@ -19,7 +19,7 @@ def _graph_of(pipe: Pipe | int) -> _C.schedule.PipelineGraph:
         ]
         tied = [_C.schedule.TiedGroup(t.node, list(t.stages), 0) for t in plan.tied]
         return _C.schedule.PipelineGraph(plan.num_stages, edges, tied)
-    if isinstance(pipe, int):
+    if isinstance(pipe, int) and not isinstance(pipe, bool):
         return _C.schedule.PipelineGraph.chain(pipe)
     raise TypeError(f"expected a Pipe or a number of stages, got {type(pipe).__name__}")
 
@@ -28,7 +28,9 @@ def _spec(
     schedule: Schedule, num_stages: int, num_ranks: int, forward_only: bool
 ) -> _C.schedule.ScheduleSpec:
     m = schedule.num_microbatches
-    placement = [int(r) for r in schedule.placement(num_stages, num_ranks)]
+    placement = check_placement(
+        schedule.placement(num_stages, num_ranks), f"{type(schedule).__name__}.placement()"
+    )
     lists = schedule.tasks(num_stages, num_ranks, m)
     if len(lists) != num_ranks:
         raise ValueError(
@@ -122,8 +124,7 @@ def compile_schedule(
     deadlock. `costs` (default: uniform) only decide the order in which the
     lowering interleaves messages of different rank pairs.
     """
-    if not isinstance(schedule, Schedule):
-        raise TypeError(f"expected an mpmd.Schedule, got {type(schedule).__name__}")
+    require_schedule(schedule, "compile_schedule")
     if not isinstance(num_ranks, int) or num_ranks < 1:
         raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
     graph = _graph_of(pipe)

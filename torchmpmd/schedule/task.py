@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import csv
 import io
-from collections.abc import Iterable, Sequence
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .. import _C
@@ -86,15 +87,10 @@ class Schedule:
     ) -> Schedule:
         """A schedule given as per-rank lists of tasks (or action strings like '1B0')."""
         lists = [[t if isinstance(t, Task) else Task.parse(t) for t in rank] for rank in tasks]
-        bad = [r for r in placement if not isinstance(r, int) or isinstance(r, bool)]
-        if bad:
-            raise TypeError(
-                f"Schedule.from_lists: placement gives each stage's rank as an int, got {bad[0]!r} "
-                f"({type(bad[0]).__name__})"
-            )
+        ranks = check_placement(placement, "Schedule.from_lists")
         if num_microbatches is None:
             num_microbatches = 1 + max((t.microbatch for r in lists for t in r), default=0)
-        return _ListSchedule(lists, list(placement), num_microbatches)
+        return _ListSchedule(lists, ranks, num_microbatches)
 
     @staticmethod
     def from_csv(text: str, placement: Sequence[int]) -> Schedule:
@@ -119,9 +115,28 @@ class Schedule:
         Their forwards then keep only their received inputs, and the backward
         runs the forward again first (stage-level activation checkpointing):
         a stage holds one microbatch's activations instead of one per
-        microbatch in flight, for one more forward per microbatch.
+        microbatch in flight, for one more forward per microbatch. A backward
+        that already has its recompute (this schedule recomputes that stage
+        already) gets no second one.
         """
-        return _Recompute(self, None if stages is None else frozenset(stages))
+        if stages is None:
+            return _Recompute(self, None)
+        given: object = stages  # checked: the annotation is what it should be
+        if isinstance(given, (bool, str)) or not isinstance(given, Iterable):
+            fix = "e.g. [0, 1], or none for every stage"
+            if isinstance(given, int) and not isinstance(given, bool):
+                fix = f"write [{given}] for that one stage"
+            raise TypeError(
+                f"with_recompute takes stage indices, got {given!r} ({type(given).__name__}); "
+                + fix
+            )
+        chosen = list(stages)
+        for s in chosen:
+            if not isinstance(s, int) or isinstance(s, bool):
+                raise TypeError(
+                    f"with_recompute: a stage is an int index, got {s!r} ({type(s).__name__})"
+                )
+        return _Recompute(self, frozenset(chosen))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_microbatches={self.num_microbatches})"
@@ -156,11 +171,18 @@ class _Recompute(Schedule):
                 f"with_recompute: stages {outside} do not exist; the pipeline has stages "
                 f"0..{num_stages - 1}"
             )
+        base = self._base.tasks(num_stages, num_ranks, num_microbatches)
+        # Backwards the base schedule already recomputes keep their one R.
+        done = {(t.stage, t.microbatch) for rank in base for t in rank if t.kind == "R"}
         out = []
-        for rank in self._base.tasks(num_stages, num_ranks, num_microbatches):
+        for rank in base:
             row = []
             for t in rank:
-                if t.kind in ("B", "I") and (self._stages is None or t.stage in self._stages):
+                if (
+                    t.kind in ("B", "I")
+                    and (self._stages is None or t.stage in self._stages)
+                    and (t.stage, t.microbatch) not in done
+                ):
                     row.append(Task("R", t.stage, t.microbatch))
                 row.append(t)
             out.append(row)
@@ -169,3 +191,76 @@ class _Recompute(Schedule):
     def __repr__(self) -> str:
         which = "" if self._stages is None else f"stages={sorted(self._stages)}"
         return f"{self._base!r}.with_recompute({which})"
+
+
+def recomputed_stages(schedule: Schedule, num_stages: int) -> frozenset[int]:
+    """The stages `schedule` recomputes in full (R tasks), where that is known
+    without its task lists: added by `with_recompute` or given in `from_lists`."""
+    if isinstance(schedule, _Recompute):
+        own = frozenset(range(num_stages)) if schedule._stages is None else schedule._stages
+        return own | recomputed_stages(schedule._base, num_stages)
+    if isinstance(schedule, _ListSchedule):
+        return frozenset(t.stage for rank in schedule._lists for t in rank if t.kind == "R")
+    return frozenset()
+
+
+def check_placement(placement: object, who: str) -> list[int]:
+    """A placement (stage -> rank) as a list of ints; anything else (a float
+    that would be truncated, a string, None, a bool) is refused, naming the stage."""
+    if isinstance(placement, (str, bytes, Mapping)) or not isinstance(placement, Iterable):
+        raise TypeError(
+            f"{who}: placement is a list with each stage's rank, e.g. [0, 1, 0, 1], "
+            f"got {placement!r} ({type(placement).__name__})"
+        )
+    given = list(placement)
+    for stage, rank in enumerate(given):
+        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral):
+            raise TypeError(
+                f"{who}: placement gives each stage's rank as an int; stage {stage} has "
+                f"{rank!r} ({type(rank).__name__}), in {given!r}"
+            )
+    return [int(rank) for rank in given]
+
+
+# Names a user may give a built-in schedule by, lower case, without '_' or '-'.
+_ALIASES = {"1f1b": "OneFOneB", "interleaved": "Interleaved1F1B", "zbh1": "ZeroBubbleH1"}
+
+
+def require_schedule(schedule: object, who: str) -> Schedule:
+    """`schedule`, which `who` runs, as an mpmd.Schedule instance; a schedule
+    class, a number of microbatches, a schedule's name or None is refused
+    saying how to write one."""
+    if isinstance(schedule, Schedule):
+        if not isinstance(getattr(schedule, "num_microbatches", None), int):
+            raise TypeError(
+                f"{who}: {type(schedule).__name__} has no num_microbatches; its __init__ must "
+                "call super().__init__(num_microbatches)"
+            )
+        return schedule
+    from . import builtins  # not at import time: the built-ins are written with Schedule
+
+    example = "mpmd.schedules.OneFOneB(num_microbatches)"
+    if isinstance(schedule, type) and issubclass(schedule, Schedule):
+        name = schedule.__name__
+        spelled = f"mpmd.schedules.{name}" if getattr(builtins, name, None) is schedule else name
+        detail = (
+            f"the class {name}, not a schedule; instantiate it with the number of "
+            f"microbatches: {spelled}(num_microbatches)"
+        )
+    elif isinstance(schedule, int) and not isinstance(schedule, bool):
+        detail = (
+            f"{schedule!r} (int); the number of microbatches is part of the schedule: "
+            f"write mpmd.schedules.OneFOneB({schedule}) (or another schedule of "
+            "mpmd.schedules)"
+        )
+    elif isinstance(schedule, str):
+        key = schedule.lower().replace("_", "").replace("-", "")
+        known = {n.lower(): n for n in builtins.__all__}
+        builtin = _ALIASES.get(key) or known.get(key)
+        spelled = f"mpmd.schedules.{builtin}(num_microbatches)" if builtin else example
+        detail = f"{schedule!r} (str); a schedule is an object, not a name: write {spelled}"
+    elif schedule is None:
+        detail = f"None; pass one, e.g. {example}"
+    else:
+        detail = f"{type(schedule).__name__}; e.g. {example}"
+    raise TypeError(f"{who}: expected an mpmd.Schedule, got {detail}")

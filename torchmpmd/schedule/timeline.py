@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,6 +12,11 @@ from typing import Any
 from .. import _C
 
 __all__ = ["Timeline", "TimelineEvent"]
+
+# An event is a task (its kind's letter in the native task-kind table) or one
+# of the others.
+_TASK_KINDS = tuple(_C.schedule.TaskKind.__members__)
+_OTHER_KINDS = ("transfer", "wait")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,13 +35,35 @@ class TimelineEvent:
     held_bytes: int = -1
     kept_bytes: int = -1
 
+    def __post_init__(self) -> None:
+        if self.kind not in _TASK_KINDS and self.kind not in _OTHER_KINDS:
+            raise ValueError(
+                f"{self!r}: kind must be a task kind ({', '.join(_TASK_KINDS)}) or one of "
+                f"{', '.join(map(repr, _OTHER_KINDS))}, got {self.kind!r}"
+            )
+        for name in ("rank", "stage", "microbatch", "held_bytes", "kept_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(
+                    f"{self!r}: {name} must be an int, got {value!r} ({type(value).__name__})"
+                )
+        if self.rank < 0:
+            raise ValueError(f"{self!r}: rank must be 0 or more, got {self.rank}")
+        for name in ("start", "end"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(
+                    f"{self!r}: {name} must be a number (seconds or cost units), got "
+                    f"{value!r} ({type(value).__name__})"
+                )
+
     @property
     def duration(self) -> float:
         return self.end - self.start
 
     @property
     def is_task(self) -> bool:
-        return self.kind not in ("transfer", "wait")
+        return self.kind not in _OTHER_KINDS
 
 
 @dataclass(slots=True)
@@ -49,6 +77,37 @@ class Timeline:
     # Per rank, the most bytes held for backward at once (simulated, or
     # measured with PipelineRunner(measure_memory=True); -1: not measured).
     peak_activation_bytes: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_ranks, bool) or not isinstance(self.num_ranks, int):
+            raise TypeError(
+                f"Timeline: num_ranks must be an int, got {self.num_ranks!r} "
+                f"({type(self.num_ranks).__name__})"
+            )
+        if self.num_ranks < 0:
+            raise ValueError(f"Timeline: num_ranks must be 0 or more, got {self.num_ranks}")
+        self._check("Timeline")
+
+    def _check(self, who: str) -> None:
+        """Raises, naming the event, if an event is not a TimelineEvent or lies
+        on a rank the timeline does not have (events may be added after
+        construction: `plot` checks again)."""
+        if not isinstance(self.events, list):
+            raise TypeError(
+                f"{who}: events must be a list of mpmd.TimelineEvent, got "
+                f"{type(self.events).__name__}"
+            )
+        for i, e in enumerate(self.events):
+            if not isinstance(e, TimelineEvent):
+                raise TypeError(
+                    f"{who}: event {i} is a {type(e).__name__}, not an mpmd.TimelineEvent"
+                )
+            if e.rank >= self.num_ranks:
+                raise ValueError(
+                    f"{who}: event {i} {e!r} is on rank {e.rank}, but the timeline has "
+                    f"{self.num_ranks} ranks (0..{self.num_ranks - 1}); give "
+                    f"Timeline(num_ranks={e.rank + 1}, ...) or fix the event's rank"
+                )
 
     @property
     def tasks(self) -> list[TimelineEvent]:

@@ -39,6 +39,7 @@ def plot(
     for k, tl in enumerate(timelines):
         if not isinstance(tl, Timeline):
             raise TypeError(f"plot: timeline {k} is a {type(tl).__name__}, not an mpmd.Timeline")
+        tl._check(f"plot: timeline {k}")
         if not tl.tasks:
             raise ValueError(
                 f"plot: timeline {k} ({tl.source}) has no tasks; plot a program's simulation or "

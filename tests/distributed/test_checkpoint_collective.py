@@ -1,0 +1,145 @@
+"""Checkpoint saves and loads are collectives that fail every rank alike and
+never leave one waiting: a save that only some ranks call fails within its
+timeout naming the missing rank (also for the rank that arrives late), a
+refusal decided on rank 0 (a directory the save did not write) or `extra`
+values that differ between ranks fail every rank before a byte is written,
+and a corrupted tensor in rank 1's data file fails the load on every rank
+naming that file and the tensor (2 Gloo ranks)."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from harness import check_all, run_ranks
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+import torchmpmd as mpmd
+
+ckpt = mpmd.checkpoint
+
+
+def _trained(seed: int = 0) -> tuple[mpmd.PipelineRunner, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    pipe = mpmd.trace(model, (torch.randn(2, 4),), split_before=["2"])
+    runner = mpmd.PipelineRunner(
+        pipe,
+        mpmd.schedules.GPipe(2),
+        loss_fn=lambda out, y: (out - y).square().mean(),
+        timeout=30,
+    )
+    opt = torch.optim.AdamW(runner.parameters(), lr=1e-2)
+    torch.manual_seed(1)
+    opt.zero_grad()
+    runner.step(torch.randn(4, 4), target=torch.randn(4, 2))
+    opt.step()
+    return runner, opt
+
+
+def _attempt(fn: Any) -> dict[str, Any]:
+    """What a call did: its error's type and message, and how long it took."""
+    started = time.monotonic()
+    try:
+        fn()
+        return {"error": None, "seconds": time.monotonic() - started}
+    except Exception as err:
+        return {"error": f"{type(err).__name__}: {err}", "seconds": time.monotonic() - started}
+
+
+def only_some_ranks_save(rank: int, world: int, tmp: str) -> list[dict[str, Any]]:
+    runner, opt = _trained()
+    root = Path(tmp)
+    out = []
+    # Call 1: only rank 0 is on time; rank 1 arrives after rank 0 gave up.
+    if rank == 1:
+        time.sleep(5)
+    out.append(_attempt(lambda: ckpt.save(root / "a", runner, opt, timeout=2)))
+    # Call 2: only rank 1 is on time (rank 0 decides, so rank 1 waits longer).
+    if rank == 0:
+        time.sleep(12)
+    out.append(_attempt(lambda: ckpt.save(root / "b", runner, opt, timeout=1)))
+    # Call 3: every rank, but with different paths (a rank a step behind).
+    out.append(_attempt(lambda: ckpt.save(root / f"step-{rank}", runner, opt, timeout=30)))
+    # Call 4: every rank alike: the save works.
+    out.append(_attempt(lambda: ckpt.save(root / "d", runner, opt, timeout=30)))
+    return out
+
+
+def test_a_save_not_called_on_every_rank_fails_in_bounded_time(tmp_path: Path) -> None:
+    r0, r1 = check_all(run_ranks(only_some_ranks_save, 2, str(tmp_path)))
+    late = r"Rank\(s\) \[{}\] did not arrive within {} s"
+
+    # Rank 0 gives up after its timeout; rank 1, arriving late, fails at once.
+    assert re.search(late.format(1, 2), r0[0]["error"]) and r0[0]["error"].startswith("Timeout")
+    assert "checkpoint.save is a collective: every rank must call it" in r0[0]["error"]
+    assert 2 <= r0[0]["seconds"] < 4.5, r0[0]
+    assert re.search(late.format(1, 2), r1[0]["error"]) and r1[0]["seconds"] < 2, r1[0]
+    # Rank 1 gives up after timeout + 5 s when rank 0 never decides.
+    assert re.search(late.format(0, 1), r1[1]["error"]) and 6 <= r1[1]["seconds"] < 10, r1[1]
+    assert re.search(late.format(0, 1), r0[1]["error"]) and r0[1]["seconds"] < 2, r0[1]
+    for r in (r0, r1):
+        assert "did not make the same call" in r[2]["error"] and "step-0" in r[2]["error"]
+        assert "step-1" in r[2]["error"]
+        assert r[3]["error"] is None
+    assert sorted(os.listdir(tmp_path)) == ["d"]
+
+
+def refused_on_every_rank(rank: int, world: int, tmp: str) -> list[str | None]:
+    runner, opt = _trained()
+    root = Path(tmp)
+    tries = [
+        lambda: ckpt.save(root / "ckpt", runner, opt),
+        lambda: ckpt.save(root / "ckpt" / "step-3", runner, opt, extra={"step": 3, "seen": rank}),
+    ]
+    return [_attempt(t)["error"] for t in tries]
+
+
+def test_refusals_fail_every_rank_before_anything_is_written(tmp_path: Path) -> None:
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "notes.txt").write_text("my notes")
+    r0, r1 = check_all(run_ranks(refused_on_every_rank, 2, str(tmp_path)))
+    for r, errors in enumerate((r0, r1)):
+        refusal, differs = errors
+        assert refusal is not None and refusal.startswith("FileExistsError: "), refusal
+        assert f"{tmp_path / 'ckpt'} exists and it is not a torchmpmd checkpoint" in refusal
+        assert ("rank 0: " in refusal) == (r == 1)  # decided on rank 0, raised on both
+        assert differs is not None and differs.startswith("ValueError: "), differs
+        assert "extra['seen'] differs between ranks: rank 0 has 0, rank 1 has 1" in differs
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["notes.txt"]
+
+
+def corrupted_on_rank_1(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    runner, opt = _trained()
+    path = Path(tmp) / "step-1"
+    ckpt.async_save(path, runner, opt, extra={"step": 1}).result(timeout=60)
+    dist.barrier()  # rank 0 put the checkpoint in place before its future completed
+    before = _attempt(lambda: ckpt.load(path, runner, opt))
+    if rank == 1:
+        # Flip one bit of a value of the last stage's bias, which this rank wrote.
+        metadata = FileSystemReader(str(path)).read_metadata()
+        info = next(i for k, i in metadata.storage_data.items() if k.fqn == "model.2.bias")
+        assert info.relative_path == "__1_0.distcp", info
+        data = bytearray((path / info.relative_path).read_bytes())
+        values = bytes(runner.state_dict()["2.bias"].detach().clone().untyped_storage())
+        data[data.index(values, info.offset, info.offset + info.length) + 3] ^= 0x40
+        (path / info.relative_path).write_bytes(bytes(data))
+    dist.barrier()
+    return {"before": before["error"], "after": _attempt(lambda: ckpt.load(path, runner, opt))}
+
+
+def test_a_corrupted_tensor_fails_the_load_on_every_rank(tmp_path: Path) -> None:
+    results = check_all(run_ranks(corrupted_on_rank_1, 2, str(tmp_path)))
+    for r in results:
+        assert r["before"] is None
+        error = r["after"]["error"]
+        assert error is not None and error.startswith("CheckpointError: "), error
+        assert f"{tmp_path / 'step-1' / '__1_0.distcp'} fails its checksum for 'model.2.bias'" in (
+            error
+        )

@@ -1,0 +1,395 @@
+"""What the example inputs of `mpmd.trace` may be: one tensor passed as two
+arguments (nanoGPT's `model(idx, targets=idx)`) or views of one tensor in a
+nested argument are traced as separate inputs, so a later call with different
+tensors there reads each (traced as one value, the first step silently used
+`idx` as the targets); a model built on the meta device traces with a real
+batch (its forward builds a mask with `device=idx.device`). Each is compared
+with the unpipelined model in float64."""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+import torchmpmd as mpmd
+from torchmpmd.testing import LocalPipeline
+
+M = 2
+
+# ----------------------------------------------------------------- nanoGPT
+# karpathy/nanoGPT model.py, as written there (dropout and block size small).
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm but with an optional bias. PyTorch doesn't support simply bias=False"""
+
+    def __init__(self, ndim, bias):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
+
+    def forward(self, input):
+        return F.layer_norm(input, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        # key, query, value projections for all heads, but in a batch
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        # output projection
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        # regularization
+        self.attn_dropout = nn.Dropout(config.dropout)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.dropout = config.dropout
+
+    def forward(self, x):
+        B, T, C = x.size()  # batch size, sequence length, embedding dimensionality (n_embd)
+
+        # calculate query, key, values for all heads in batch and move head forward to be the batch dim
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+
+        # causal self-attention; Self-attend: (B, nh, T, hs) x (B, nh, hs, T) -> (B, nh, T, T)
+        y = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0, is_causal=True
+        )
+        # re-assemble all head outputs side by side
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+
+        # output projection
+        y = self.resid_dropout(self.c_proj(y))
+        return y
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        x = self.c_fc(x)
+        x = self.gelu(x)
+        x = self.c_proj(x)
+        x = self.dropout(x)
+        return x
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 16
+    vocab_size: int = 64
+    n_layer: int = 2
+    n_head: int = 2
+    n_embd: int = 16
+    dropout: float = 0.0
+    bias: bool = True
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        assert config.vocab_size is not None
+        assert config.block_size is not None
+        self.config = config
+
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # https://paperswithcode.com/method/weight-tying
+        self.transformer.wte.weight = self.lm_head.weight
+
+        # init all weights
+        self.apply(self._init_weights)
+        # apply special scaled init to the residual projections, per GPT-2 paper
+        for pn, p in self.named_parameters():
+            if pn.endswith("c_proj.weight"):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx, targets=None):
+        device = idx.device
+        b, t = idx.size()  # noqa: RUF059 (nanoGPT's own line)
+        assert t <= self.config.block_size, (
+            f"Cannot forward sequence of length {t}, block size is only {self.config.block_size}"
+        )
+        pos = torch.arange(0, t, dtype=torch.long, device=device)  # shape (t)
+
+        # forward the GPT model itself
+        tok_emb = self.transformer.wte(idx)  # token embeddings of shape (b, t, n_embd)
+        pos_emb = self.transformer.wpe(pos)  # position embeddings of shape (t, n_embd)
+        x = self.transformer.drop(tok_emb + pos_emb)
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+
+        if targets is not None:
+            # if we are given some desired targets also calculate the loss
+            logits = self.lm_head(x)
+            loss = F.cross_entropy(
+                logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1
+            )
+        else:
+            # inference-time mini-optimization: only forward the lm_head on the very last position
+            logits = self.lm_head(x[:, [-1], :])  # note: using list [-1] to preserve the time dim
+            loss = None
+
+        return logits, loss
+
+
+def _gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig()).double()
+
+
+def _tokens(rows: int, t: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 64, (rows, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _own_loss(out: tuple[torch.Tensor, torch.Tensor], _target: object) -> torch.Tensor:
+    return out[1]
+
+
+def _accumulated(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The plain model's loss over `M` microbatches, gradients accumulated."""
+    losses = []
+    for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True):
+        _, loss = model(xb, yb)
+        (loss / M).backward()
+        losses.append(loss.detach())
+    return torch.stack(losses).mean()
+
+
+def _assert_matches(local: LocalPipeline, ref: nn.Module, loss: torch.Tensor, out: list) -> None:
+    for o in out:
+        torch.testing.assert_close(o.loss, loss, rtol=1e-12, atol=1e-12)
+    for runner in local.runners:
+        for name, p in runner.named_parameters():
+            torch.testing.assert_close(
+                p.grad, ref.get_parameter(name).grad, rtol=1e-10, atol=1e-12, msg=name
+            )
+            p.grad = None
+    for p in ref.parameters():
+        p.grad = None
+
+
+def test_nanogpt_given_its_batch_as_targets_keeps_them_separate():
+    model = _gpt()
+    ref = copy.deepcopy(model)
+    idx = _tokens(2, 8, seed=1)
+    pipe = mpmd.trace(model, (idx,), {"targets": idx}, split_before=["transformer.h.1"])
+    assert pipe.input_names == ["args[0]", "targets"]
+
+    # Called in this process, with other targets than the trace's.
+    y = _tokens(2, 8, seed=2)
+    logits, loss = pipe(idx, targets=y)
+    ref_logits, ref_loss = ref(idx, y)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-12, atol=1e-12)
+
+    # The first step has the traced shapes: the traced program itself runs.
+    local = LocalPipeline(pipe, mpmd.schedules.OneFOneB(M), 2, loss_fn=_own_loss, timeout=60)
+    x, y = _tokens(2 * M, 8, seed=3), _tokens(2 * M, 8, seed=4)
+    out = local.step(x, targets=y)
+    assert [r.num_traces for r in local.runners] == [0, 0]
+    _assert_matches(local, ref, _accumulated(ref, x, y), out)
+
+    # A new shape given as its own targets is traced again from aliased
+    # microbatches; the next step of that shape must still read its targets.
+    x6 = _tokens(2 * M, 6, seed=5)
+    local.step(x6, targets=x6)
+    _accumulated(ref, x6, x6)
+    x6, y6 = _tokens(2 * M, 6, seed=6), _tokens(2 * M, 6, seed=7)
+    for runner in local.runners:
+        for p in runner.parameters():
+            p.grad = None
+    for p in ref.parameters():
+        p.grad = None
+    out = local.step(x6, targets=y6)
+    assert [r.num_traces for r in local.runners] == [1, 1]
+    _assert_matches(local, ref, _accumulated(ref, x6, y6), out)
+
+
+class Attend(nn.Module):
+    """Attention over a nested argument: `{"query": q, "memory": (k, v)}`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        key, value = batch["memory"]
+        h, _ = self.attn(batch["query"], key, value, need_weights=False)
+        return self.out(torch.tanh(h))
+
+
+def test_aliased_tensors_inside_a_nested_argument_are_separate_inputs():
+    torch.manual_seed(0)
+    model = Attend().double()
+    ref = copy.deepcopy(model)
+    h = torch.randn(2, 5, 8, dtype=torch.float64)
+    # Self-attention as the example: query, key and value are one tensor
+    # (the same object twice, and a view of it).
+    example = {"query": h, "memory": (h, h.view(2, 5, 8))}
+    pipe = mpmd.trace(model, (example,), split_before=["out"])
+
+    q, k, v = (torch.randn(2 * M, 5, 8, dtype=torch.float64) for _ in range(3))
+    torch.testing.assert_close(
+        pipe({"query": q[:2], "memory": (k[:2], v[:2])}),
+        ref({"query": q[:2], "memory": (k[:2], v[:2])}),
+        rtol=1e-12,
+        atol=1e-12,
+    )
+
+    def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (out - y).square().mean()
+
+    y = torch.randn(2 * M, 5, 4, dtype=torch.float64)
+    local = LocalPipeline(pipe, mpmd.schedules.GPipe(M), 2, loss_fn=mse, timeout=60)
+    out = local.step({"query": q, "memory": (k, v)}, target=y)
+    assert [r.num_traces for r in local.runners] == [0, 0]
+    losses = []
+    for qb, kb, vb, yb in zip(q.chunk(M), k.chunk(M), v.chunk(M), y.chunk(M), strict=True):
+        loss = mse(ref({"query": qb, "memory": (kb, vb)}), yb)
+        (loss / M).backward()
+        losses.append(loss.detach())
+    for o in out:
+        torch.testing.assert_close(o.loss, torch.stack(losses).mean(), rtol=1e-12, atol=1e-12)
+    for runner in local.runners:
+        for name, p in runner.named_parameters():
+            torch.testing.assert_close(
+                p.grad, ref.get_parameter(name).grad, rtol=1e-10, atol=1e-12, msg=name
+            )
+
+
+# ------------------------------------------------------ meta model, real batch
+
+V, D = 32, 16
+
+
+class TransformerLM(nn.Module):
+    """A pre-norm transformer LM whose causal mask is built on the input's device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(V, D)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(D, 2, 2 * D, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(2)
+        )
+        self.norm = nn.LayerNorm(D)
+        self.out = nn.Linear(D, V)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        mask = torch.triu(
+            torch.full((t, t), float("-inf"), device=idx.device, dtype=self.out.weight.dtype),
+            diagonal=1,
+        )
+        h = self.tok(idx)
+        for layer in self.layers:
+            h = layer(h, src_mask=mask)
+        return self.out(self.norm(h))
+
+
+def _lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, V), y.reshape(-1))
+
+
+@torch.no_grad()
+def _init(module: nn.Module) -> None:
+    """Deterministic values, so each rank's part equals the reference's."""
+    for name, p in module.named_parameters(recurse=False):
+        n = p.numel()
+        values = torch.sin(torch.arange(n, dtype=torch.float64) * (1 + n % 7) + len(name))
+        p.copy_((values / math.sqrt(n)).reshape(p.shape))
+
+
+def test_meta_model_traced_with_a_real_batch_trains_like_the_real_model():
+    with torch.device("meta"):
+        model = TransformerLM().double()
+    idx = _tokens(2, 6, seed=1) % V  # a real CPU batch
+    pipe = mpmd.trace(model, (idx,), split_before=["layers.1"])
+    assert all(p.is_meta for p in pipe.parameters())
+    assert [str(s) for s in pipe.input_specs] == ["(2, 6) int64"]
+
+    ref = TransformerLM().double()
+    ref.apply(_init)
+    real = TransformerLM().double()
+    real.load_state_dict(ref.state_dict())
+    for fill in ("init_weights", "load_state_dict"):
+        local = LocalPipeline(pipe, mpmd.schedules.OneFOneB(M), 2, loss_fn=_lm_loss, timeout=60)
+        for runner in local.runners:
+            if fill == "init_weights":
+                runner.init_weights(_init)
+            else:
+                runner.load_state_dict(real.state_dict())
+        x, y = _tokens(2 * M, 6, seed=2) % V, _tokens(2 * M, 6, seed=3) % V
+        out = local.step(x, target=y)
+        losses = []
+        for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True):
+            loss = _lm_loss(ref(xb), yb)
+            (loss / M).backward()
+            losses.append(loss.detach())
+        for o in out:
+            torch.testing.assert_close(o.loss, torch.stack(losses).mean(), rtol=1e-12, atol=1e-12)
+        for runner in local.runners:
+            for name, p in runner.named_parameters():
+                torch.testing.assert_close(
+                    p.grad, ref.get_parameter(name).grad, rtol=1e-10, atol=1e-12, msg=name
+                )
+        ref.zero_grad(set_to_none=True)
+
+        # Another sequence length: traced again (from real microbatches) on
+        # the meta model, then run with this rank's real weights.
+        x, y = _tokens(2 * M, 4, seed=4) % V, _tokens(2 * M, 4, seed=5) % V
+        out = local.step(x, target=y)
+        assert [r.num_traces for r in local.runners] == [1, 1]
+        expected = torch.stack(
+            [_lm_loss(ref(xb), yb) for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True)]
+        ).mean()
+        for o in out:
+            torch.testing.assert_close(o.loss, expected.detach(), rtol=1e-12, atol=1e-12)
