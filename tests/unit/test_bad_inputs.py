@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import datetime
 import math
-import re
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.nn as nn
+from catalogue import Case, cases, clear_error
 
 import torchmpmd as mpmd
 from torchmpmd.testing import LocalPipeline
@@ -53,7 +52,7 @@ def _runner(**kwargs: Any) -> mpmd.PipelineRunner:
 x, y = torch.randn(4, 4), torch.randn(4, 4)
 
 # (id, callable, exception type, message pattern)
-CASES: list[tuple[str, Callable[[], Any], type[BaseException], str]] = [
+CASES: list[Case] = [
     # ---- tracing
     (
         "trace a function",
@@ -341,15 +340,9 @@ CASES: list[tuple[str, Callable[[], Any], type[BaseException], str]] = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("call", "kind", "pattern"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
-)
+@cases(CASES)
 def test_bad_input_gets_a_clear_error(call, kind, pattern):
-    with pytest.raises(kind) as err:
-        call()
-    text = str(err.value)
-    assert re.search(pattern, text, re.S), text
-    assert "incompatible function arguments" not in text and "incompatible constructor" not in text
+    clear_error(call, kind, pattern)
 
 
 def test_the_catalogue_is_large_enough():

@@ -6,13 +6,13 @@ of the setup, nor a silent success that fails raw at the first step."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.nn as nn
+from catalogue import Case, cases, clear_error
 
 import torchmpmd as mpmd
 from torchmpmd.testing import LocalPipeline
@@ -73,7 +73,7 @@ def _per_module_runner() -> mpmd.PipelineRunner:
 
 
 # (id, callable, exception type, message pattern)
-CASES: list[tuple[str, Callable[[], Any], type[BaseException], str]] = [
+CASES: list[Case] = [
     # ---- data parallelism
     (
         "fsdp without a mesh, more ranks than stages",
@@ -136,14 +136,9 @@ CASES: list[tuple[str, Callable[[], Any], type[BaseException], str]] = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("call", "kind", "pattern"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
-)
+@cases(CASES)
 def test_bad_input_gets_a_clear_error(call, kind, pattern):
-    with pytest.raises(kind) as err:
-        call()
-    text = str(err.value)
-    assert re.search(pattern, text, re.S), text
+    clear_error(call, kind, pattern)
 
 
 def test_a_refused_replacement_leaves_the_stage_and_the_model_as_they_were():

@@ -7,14 +7,13 @@ must be one recompute, not a schedule refused for a task it never wrote."""
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from catalogue import Case, cases, clear_error
 
 import torchmpmd as mpmd
 from torchmpmd.testing import LocalPipeline
@@ -66,7 +65,7 @@ def _plot_with_added_event() -> Any:
 
 
 # (id, callable, exception type, message pattern)
-CASES: list[tuple[str, Callable[[], Any], type[BaseException], str]] = [
+CASES: list[Case] = [
     # ---- the schedule argument
     (
         "runner given a schedule class",
@@ -304,14 +303,9 @@ CASES: list[tuple[str, Callable[[], Any], type[BaseException], str]] = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("call", "kind", "pattern"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
-)
+@cases(CASES)
 def test_bad_input_gets_a_clear_error(call, kind, pattern):
-    with pytest.raises(kind) as err:
-        call()
-    text = str(err.value)
-    assert re.search(pattern, text, re.S), text
+    clear_error(call, kind, pattern)
 
 
 def _counts(program: mpmd.Program) -> dict[str, int]:

@@ -6,13 +6,10 @@ device error from inside torch, or a state dict that no longer loads."""
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable
-from typing import Any
-
 import pytest
 import torch
 import torch.nn as nn
+from catalogue import Case, cases, clear_error
 
 import torchmpmd as mpmd
 from torchmpmd.testing import LocalPipeline
@@ -60,7 +57,7 @@ def _meta_ones_on_cpu() -> nn.Module:
 x, y = torch.randn(4, 4), torch.randn(4, 4)
 
 # (id, callable, exception type, message pattern)
-CASES: list[tuple[str, Callable[[], Any], type[BaseException], str]] = [
+CASES: list[Case] = [
     (
         "batch with a wrong feature size",
         lambda: _local().step(torch.randn(4, 5), target=y),
@@ -94,14 +91,9 @@ CASES: list[tuple[str, Callable[[], Any], type[BaseException], str]] = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("call", "kind", "pattern"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
-)
+@cases(CASES)
 def test_bad_input_gets_a_clear_error(call, kind, pattern):
-    with pytest.raises(kind) as err:
-        call()
-    text = str(err.value)
-    assert re.search(pattern, text, re.S), text
+    text = clear_error(call, kind, pattern)
     assert "make that code traceable" not in text, text
 
 

@@ -165,3 +165,34 @@ def test_a_rank_stuck_while_drawing_holds_the_others_up_to_the_timeout_only():
     threads[1].join(10)
     assert len(errors) == 1 and waited[0] < 3
     assert "rank 0 waited 0.5 s for rank 1 to finish its forward" in str(errors[0])
+
+
+
+def _init(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        for row in module.weight:  # many small draws, the GIL passed between them
+            nn.init.normal_(row)
+            time.sleep(0)
+        nn.init.zeros_(module.bias)
+
+
+def test_init_weights_on_ranks_as_threads_draws_as_processes_would():
+    # Each rank initialises its own modules from its own generator, started
+    # from the caller's seed, as a process seeded alike would; before, the
+    # rank threads drew one after the other from the shared generator.
+    with torch.device("meta"):
+        model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(4)))
+    pipe = mpmd.trace(model, (torch.randn(2, 16, device="meta"),), split_before=["2"])
+    local = LocalPipeline(pipe, S.OneFOneB(M), 2, loss_fn=_mse, timeout=60)
+    torch.manual_seed(SEED)
+    local.init_weights(_init)
+    for rank, layers in enumerate([(0, 1), (2, 3)]):
+        reference = nn.Sequential(*(nn.Linear(16, 16) for _ in range(4)))
+        torch.manual_seed(SEED)
+        for i in layers:
+            _init(reference[i])
+        held = dict(local.runners[rank].named_parameters())
+        for i in layers:
+            for leaf in ("weight", "bias"):
+                name = f"{i}.{leaf}"
+                assert torch.equal(held[name], getattr(reference[i], leaf)), (rank, name)

@@ -2,7 +2,8 @@
 on the job whichever copies they allocated (a rank holding one copy of a
 tied weight describes the same job as one holding none), the copies of a
 tied weight are equal on every rank after `init_weights` and
-`load_state_dict` (the rank of the tie's first stage gives its value), and
+`load_state_dict`, and from the first call for copies built apart (the rank
+of the tie's first stage gives its value), and
 `init_weights()` runs a torchtitan model's own root `init_weights()`. Each
 step equals the unpipelined model holding the same weights."""
 
@@ -556,6 +557,36 @@ def test_nanogpt_tied_weights_are_initialised_equal_on_every_rank():
     copies = _tied_copies(local, tie)
     assert torch.equal(copies[1][1], other["transformer.wte.weight"])
     assert torch.equal(copies[0][1], copies[1][1])
+
+
+
+def test_real_tied_copies_built_apart_are_equal_from_the_first_call():
+    # A real model built on each rank from its own seed gives each rank its
+    # own copy of the tied weight: they must not train apart. At the first
+    # call the tie's first stage's rank gives its copy, as DDP's replicas
+    # take rank 0's weights at construction.
+    config = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=16)
+    torch.manual_seed(0)
+    model = GPT(config).double()
+    x = _tokens(config.vocab_size, 4 * M, 8, seed=3)
+    y = _tokens(config.vocab_size, 4 * M, 8, seed=4)
+    pipe = mpmd.trace(model, (x[:4],), {"targets": y[:4]}, split_before=["transformer.h.1"])
+    local = LocalPipeline(
+        pipe, mpmd.schedules.OneFOneB(M), 2, loss_fn=lambda out, _: out[1], timeout=60
+    )
+    tie = {"transformer.wte.weight", "lm_head.weight"}
+    with torch.no_grad():  # rank 1's copy as another seed would have made it
+        _tied_copies(local, tie)[1][1].add_(torch.randn(config.vocab_size, config.n_embd))
+    outs = local.step(x, targets=y)
+    copies = _tied_copies(local, tie)
+    assert torch.equal(copies[0][1], copies[1][1])
+    assert torch.equal(copies[0][1], model.transformer.wte.weight)
+    losses = []
+    for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True):
+        _, loss = model(xb, targets=yb)
+        (loss / M).backward()
+        losses.append(loss.detach())
+    _check_step(local, model, outs, losses, 1e-10)
 
 
 def _titan_args() -> TransformerModelArgs:

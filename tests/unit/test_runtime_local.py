@@ -229,10 +229,11 @@ def test_state_dict_round_trip_and_keys():
     for runner in local.runners:
         keys |= set(runner.state_dict())
     assert keys == set(model.state_dict())
-    # Load another model's weights into every rank, from the full state dict.
+    # Load another model's weights into every rank, from the full state dict
+    # (a collective: the ranks holding a tied weight make its copies equal).
     other = case.model(torch.float64, seed=7)
+    local.load_state_dict(other.state_dict())
     for runner in local.runners:
-        runner.load_state_dict(other.state_dict())
         for fqn, p in runner.named_parameters():
             assert torch.equal(p, other.get_parameter(fqn)), fqn
     with pytest.raises(KeyError, match="found no entry for"):

@@ -146,7 +146,7 @@ def _check_neighbours(
     me, size = transport.rank, transport.size
     mine = call.header(device)
     theirs = torch.empty_like(mine)
-    what = f"the check-in of {call}"
+    what = f"the check-in of {call}, a collective call every rank must make"
     if me > 0:  # the higher end of (me - 1, me): receive, then send
         recv(transport, theirs, me - 1, _CHECK_TAG, timeout, what, name(me - 1))
         send(transport, mine, me - 1, _CHECK_TAG, timeout, what, name(me - 1))

@@ -99,6 +99,7 @@ class CompiledPipe:
             split=self._choose_split(options.split_backward),
             compile_options=options.compile_options,
             selective=set(options.selective_recompute) & set(self.local_stages),
+            recomputed={t.stage for t in self.program.tasks(self.rank) if t.kind == "R"},
         )
         # This rank's copy of each tied parameter it holds, by node id.
         self.tied_parameters: dict[int, torch.nn.Parameter] = {

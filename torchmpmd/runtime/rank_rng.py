@@ -63,7 +63,9 @@ class RankGenerators:
         self.timeout = timeout
         caller = torch.get_rng_state()
         if self._left is None or not torch.equal(caller, self._left):
-            self._states = [caller] * len(self._states)  # replaced, never written in place
+            # One buffer per rank, written in place after each draw: a state
+            # left in a new tensor would count as memory the forward kept.
+            self._states = [caller.clone() for _ in self._states]
 
     def end_call(self) -> None:
         """The caller continues from rank 0's state, as rank 0's process would."""
@@ -93,7 +95,8 @@ def own_generator(replay: torch.Tensor | None = None) -> Iterator[torch.Tensor |
     was; yields the state the block starts from. Waits until no other rank
     thread is drawing, at most the runners' timeout. Outside a LocalPipeline's
     rank threads (and nested in a block that has the rank's state already)
-    it does nothing and yields None."""
+    it does nothing and yields None. The rank's own state (the yielded
+    tensor) is updated in place afterwards: clone it to keep it."""
     global _holder
     current: tuple[RankGenerators, int] | None = getattr(_local, "current", None)
     if current is None or (replay is None and _local.depth > 0):
@@ -119,7 +122,11 @@ def own_generator(replay: torch.Tensor | None = None) -> Iterator[torch.Tensor |
         finally:
             _local.depth -= 1
             if replay is None:
-                gens._states[rank] = torch.get_rng_state()
+                own = gens._states[rank]
+                if own is None:
+                    gens._states[rank] = torch.get_rng_state()
+                else:
+                    own.copy_(torch.get_rng_state())
             torch.set_rng_state(outer)
     finally:
         _holder = outer_holder

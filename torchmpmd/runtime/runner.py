@@ -37,6 +37,8 @@ from .transport import (
     all_gather,
     broadcast,
     c10d_transport,
+    recv,
+    send,
 )
 
 __all__ = ["PipelineRunner", "StepOutput"]
@@ -398,7 +400,13 @@ class PipelineRunner:
         for t, _ in self._transports():
             t.arm()
         try:
+            first = not self._checked_same_job
             self._check_in(Call(self._calls, call, options, batch))
+            if first:
+                # Copies of a tied weight built apart (each rank's model from
+                # its own seed) start equal, as replicas do at construction.
+                with self._stages.allocation.copies_only():
+                    self._send_ties()
             yield
         except BaseException as err:
             reason = self._abort_reason()
@@ -515,9 +523,12 @@ class PipelineRunner:
                 f"{type(fn).__name__}"
             )
         modules = {s: self._stages.modules[s] for s in self.local_stages}
-        if not init_weights(
-            fn, modules, self._pipe.source, self._pipe.parameter_aliases, self.rank
-        ):
+        # Ranks as threads draw from their own generators (rank_rng.py).
+        with rank_rng.own_generator():
+            called = init_weights(
+                fn, modules, self._pipe.source, self._pipe.parameter_aliases, self.rank
+            )
+        if not called:
             raise ValueError(
                 f"init_weights: rank {self.rank} found no module of the model owning a tensor of "
                 f"its stages {self.local_stages}"
@@ -531,39 +542,51 @@ class PipelineRunner:
         holding one; then dp rank 0 broadcasts this rank's parameters and
         buffers to its replicas. Collective whenever a tie spans ranks or
         there are replicas (the same on every rank), so every rank checks in.
-
-        Blocking sends cannot deadlock: every rank walks the ties in the
-        plan's order and, per tie, the owner sends to the holders in rank
-        order, so the first unfinished pair always has both ends ready.
         """
-        placement = self.program.placement
-        spans_ranks = False
-        mine = []
-        for i, tie in enumerate(self._pipe.plan.tied):
-            holders = sorted({placement[s] for s in tie.stages})
-            spans_ranks |= len(holders) > 1
-            if self.rank in holders and len(holders) > 1:
-                owner = placement[min(tie.stages)]
-                param = self._first.tied_parameters[tie.node]
-                mine.append((_TIED_TAG + i, param, owner, holders))
-        if not spans_ranks and self._dp_group is None:
+        if not self._ties_across_ranks() and self._dp_group is None:
             return
         with self._exchanging(call), torch.no_grad():
-            for tag, param, owner, holders in mine:
-                if self.rank == owner:
-                    for peer in holders:
-                        if peer != owner:
-                            self._transport.send(param.detach(), peer, tag, self._timeout)
-                else:
-                    value = torch.empty_like(param)
-                    self._transport.recv(value, owner, tag, self._timeout)
-                    param.copy_(value)
+            self._send_ties()
             if self._dp_group is not None:
                 # FSDP shards have one holder each: nothing to make equal.
                 tensors = [t for t in _local_state(self._first) if not isinstance(t, DTensor)]
                 # A tensor dp rank 0 left unwritten is garbage on every replica alike.
                 with self._stages.allocation.copies_only():
                     broadcast_from_first(self._dp_group, tensors, self._bucket_bytes)
+
+    def _ties_across_ranks(self) -> list[tuple[int, int, list[int]]]:
+        """(index, owner rank, holder ranks) of each tie whose copies live on
+        more than one rank, in the plan's order (the same on every rank)."""
+        placement = self.program.placement
+        out = []
+        for i, tie in enumerate(self._pipe.plan.tied):
+            holders = sorted({placement[s] for s in tie.stages})
+            if len(holders) > 1:
+                out.append((i, placement[min(tie.stages)], holders))
+        return out
+
+    @torch.no_grad()
+    def _send_ties(self) -> None:
+        """The owner of each tie sends its copy to the tie's other holders
+        (inside an exchange). Blocking sends cannot deadlock: every rank walks
+        the ties in the plan's order and, per tie, the owner sends to the
+        holders in rank order, so the first unfinished pair always has both
+        ends ready."""
+        names = {id(p): n for n, p in self.named_parameters()}
+        for i, owner, holders in self._ties_across_ranks():
+            if self.rank not in holders:
+                continue
+            param = self._first.tied_parameters[self._pipe.plan.tied[i].node]
+            tag = _TIED_TAG + i
+            what = f"the tied weight '{names.get(id(param), '?')}'"
+            if self.rank == owner:
+                for peer in holders:
+                    if peer != owner:
+                        send(self._transport, param.detach(), peer, tag, self._timeout, what)
+            else:
+                value = torch.empty_like(param)
+                recv(self._transport, value, owner, tag, self._timeout, what)
+                param.copy_(value)
 
     @property
     def timeout(self) -> float:

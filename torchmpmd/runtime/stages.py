@@ -64,6 +64,7 @@ class LocalStages:
         split: set[int],
         compile_options: Mapping[str, Any] | None,
         selective: set[int] | None = None,
+        recomputed: set[int] | None = None,
     ) -> None:
         self.pipe = pipe
         self.ids = stages
@@ -73,6 +74,8 @@ class LocalStages:
         self.split = split
         # Stages whose backward recomputes all but matmul and attention outputs.
         self.selective = set(selective or ())
+        # Stages whose forward runs twice per microbatch (F, then R).
+        self.recomputed = set(recomputed or ())
         self.compile_options = None if compile_options is None else dict(compile_options)
         self._loss_fn = loss_fn
         modules = {s: pipe.stage(s) for s in stages}
@@ -208,9 +211,10 @@ class Training:
     @_recorded
     def forward(self, stage: int, mb: int, received: list[torch.Tensor]) -> list[torch.Tensor]:
         key = (stage, mb)
-        with own_generator(replay=self._rng_at.get(key)) as start:
-            if start is not None:
-                self._rng_at.setdefault(key, start)
+        replay = self._rng_at.pop(key, None)  # R: the second call
+        with own_generator(replay=replay) as start:
+            if start is not None and replay is None and stage in self._stages[mb].recomputed:
+                self._rng_at[key] = start.clone()
             return self._forward(stage, mb, received)
 
     def _forward(self, stage: int, mb: int, received: list[torch.Tensor]) -> list[torch.Tensor]:

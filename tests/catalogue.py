@@ -1,0 +1,30 @@
+"""The bad-input catalogues (tests/unit/test_bad_inputs*.py): each case is
+(id, call, exception type, message pattern); the call must fail with that
+type and a message matching the pattern, never a raw pybind11 signature dump."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+Case = tuple[str, Callable[[], Any], type[BaseException], str]
+
+
+def cases(catalogue: list[Case]) -> Any:
+    """Parametrizes a test over the catalogue's (call, kind, pattern), by id."""
+    return pytest.mark.parametrize(
+        ("call", "kind", "pattern"), [c[1:] for c in catalogue], ids=[c[0] for c in catalogue]
+    )
+
+
+def clear_error(call: Callable[[], Any], kind: type[BaseException], pattern: str) -> str:
+    """The message of the error `call` raises, checked; returned for more checks."""
+    with pytest.raises(kind) as err:
+        call()
+    text = str(err.value)
+    assert re.search(pattern, text, re.S), text
+    assert "incompatible function arguments" not in text and "incompatible constructor" not in text
+    return text
