@@ -167,7 +167,6 @@ def test_a_rank_stuck_while_drawing_holds_the_others_up_to_the_timeout_only():
     assert "rank 0 waited 0.5 s for rank 1 to finish its forward" in str(errors[0])
 
 
-
 def _init(module: nn.Module) -> None:
     if isinstance(module, nn.Linear):
         for row in module.weight:  # many small draws, the GIL passed between them

@@ -559,7 +559,6 @@ def test_nanogpt_tied_weights_are_initialised_equal_on_every_rank():
     assert torch.equal(copies[0][1], copies[1][1])
 
 
-
 def test_real_tied_copies_built_apart_are_equal_from_the_first_call():
     # A real model built on each rank from its own seed gives each rank its
     # own copy of the tied weight: they must not train apart. At the first
