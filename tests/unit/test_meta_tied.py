@@ -588,6 +588,70 @@ def test_real_tied_copies_built_apart_are_equal_from_the_first_call():
     _check_step(local, model, outs, losses, 1e-10)
 
 
+def test_an_init_that_assigns_new_parameters_keeps_the_tie():
+    # An init function may assign a new parameter rather than write the one
+    # it finds: its values must reach the tensor the tie map, the executor
+    # and data parallelism hold, so the copies still end equal and tied.
+    config = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=16)
+    _, pipe = _nanogpt_meta_pipe(config)
+    local = LocalPipeline(
+        pipe, mpmd.schedules.OneFOneB(M), 2, loss_fn=lambda out, _: out[1], timeout=60
+    )
+    counter = iter(range(1, 10_000))
+
+    def init(m: nn.Module) -> None:
+        for name, p in list(m._parameters.items()):
+            if p is not None:
+                value = float(next(counter)) / 100
+                setattr(m, name, nn.Parameter(torch.full_like(p, value)))
+
+    local.init_weights(init)
+    tie = {"transformer.wte.weight", "lm_head.weight"}
+    copies = _tied_copies(local, tie)
+    assert torch.equal(copies[0][1], copies[1][1])
+    for runner in local.runners:  # the tie map holds the stage's own tensor
+        held = {id(p) for _, p in runner.named_parameters()}
+        assert all(id(p) in held for p in runner._first.tied_parameters.values())
+    ref = GPT(config).double()
+    state = _merged_state(local)
+    ref.load_state_dict({**state, "lm_head.weight": state["transformer.wte.weight"]}, strict=True)
+    x = _tokens(config.vocab_size, 4 * M, 8, seed=3)
+    y = _tokens(config.vocab_size, 4 * M, 8, seed=4)
+    outs = local.step(x, targets=y)
+    losses = []
+    for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True):
+        _, loss = ref(xb, targets=yb)
+        (loss / M).backward()
+        losses.append(loss.detach())
+    _check_step(local, ref, outs, losses, 1e-10)
+
+
+def test_a_rank_whose_stages_hold_no_tensor_takes_part_in_init_weights():
+    # Stage 1 is parameter-free: its rank has nothing to initialise, but the
+    # call is collective (the tie of stages 0 and 2 spans ranks 0 and 2), so
+    # it must not refuse alone and leave the others waiting.
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok = nn.Embedding(16, 8)
+            self.act = nn.Tanh()
+            self.out = nn.Linear(8, 16, bias=False)
+            self.out.weight = self.tok.weight
+
+        def forward(self, ids):
+            return self.out(self.act(self.tok(ids)))
+
+    with torch.device("meta"):
+        model = Tied()
+    ids = _tokens(16, 2, 4).to("meta")
+    pipe = mpmd.trace(model, (ids,), split_before=["act", "out"])
+    local = LocalPipeline(pipe, mpmd.schedules.GPipe(M), 3, timeout=30)
+    local.init_weights(lambda m: nn.init.normal_(m.weight) if isinstance(m, nn.Embedding) else None)
+    copies = _tied_copies(local, {"tok.weight", "out.weight"})
+    assert [r for r, _ in copies] == [0, 2]
+    assert torch.equal(copies[0][1], copies[1][1])
+
+
 def _titan_args() -> TransformerModelArgs:
     return TransformerModelArgs(
         dim=16,

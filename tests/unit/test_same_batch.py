@@ -195,3 +195,70 @@ def test_a_keyboard_interrupt_inside_a_step_stays_one():
     x, y = _batch(8)
     with pytest.raises(KeyboardInterrupt):
         local.step(x, target=y)
+
+
+def test_targets_given_on_both_sides_of_a_rank_without_one_are_compared():
+    # Rank 1 (a middle stage) passes no target; ranks 0 and 2 pass different
+    # ones. The chain of neighbour check-ins must still see it.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    pipe = mpmd.trace(
+        model.double(), (torch.randn(2, 4, dtype=torch.float64),), split_before=["2", "4"]
+    )
+    local = LocalPipeline(pipe, mpmd.schedules.OneFOneB(M), 3, loss_fn=_mse, timeout=10)
+    x, y = _batch(8)
+    y = torch.randn(8, 4, dtype=torch.float64)
+    targets = {0: y, 1: None, 2: y + 1}
+    with pytest.raises(mpmd.PipelineError, match=r"given different batches.*passing on rank 0's"):
+        local._on_all(lambda r: r.step(x, target=targets[r.rank]))
+
+
+def test_a_flattened_target_splits_with_its_examples():
+    # A (batch * seq,) target of a (batch, seq, features) batch: each
+    # microbatch takes its own examples' rows, also when the batch does not
+    # divide evenly (10 examples in 4 microbatches: 3, 3, 2, 2).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    x = torch.randn(10, 5, 4, dtype=torch.float64)
+    y = torch.randint(0, 3, (10, 5))
+
+    def loss(out, t):
+        return nn.functional.cross_entropy(out.reshape(-1, 3), t)
+
+    pipe = mpmd.trace(model, (x[:3],), split_before=["2"])
+    local = LocalPipeline(pipe, mpmd.schedules.OneFOneB(M), 2, loss_fn=loss, timeout=10)
+    out = local.step(x, target=y.reshape(-1))
+    ref = torch.stack(
+        [
+            loss(model(a), b.reshape(-1))
+            for a, b in zip(x.tensor_split(M), y.tensor_split(M), strict=True)
+        ]
+    ).mean()
+    torch.testing.assert_close(out[0].loss, ref, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"target has shape \(49,\).*same number of rows"):
+        local.step(x, target=y.reshape(-1)[:49])
+
+
+def test_eval_step_with_one_microbatch_refuses_an_output_of_no_tensor():
+    # A stage cut by hand that returns a Python number per microbatch: with
+    # one microbatch the refusal used to be a bare AssertionError inside the
+    # exchange, which left the runner unusable.
+    class First(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.l(x)
+
+    class Last(First):
+        def forward(self, x):
+            y = self.l(x)
+            return y, float(y.sum())
+
+    pipe = mpmd.from_stages([First(), Last()], (torch.randn(2, 4),))
+    local = LocalPipeline(pipe, mpmd.schedules.OneFOneB(1), 2, timeout=10)
+    for _ in range(2):  # refused before any message: the runner stays usable
+        with pytest.raises(TypeError, match=r"model output .* is not a tensor"):
+            local.eval_step(torch.randn(2, 4))
+    assert not any(r.communicated for r in local.runners)

@@ -25,6 +25,7 @@ replicas step on their own shards of the batch.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -46,7 +47,10 @@ KINDS = (
 )
 
 PipelineError = _C.runtime.PipelineError
-_CHECK_TAG = 0x7FFF0100  # outside the tags programs, results and ties use
+_CHECK_TAG = 0x7FFF0100
+# Header fields (`Call.header`) of the target (its structure, its values: 0
+# when not given), and of the inputs' values.
+_TARGET, _INPUT_VALUES, _TARGET_VALUES = 5, 6, 7  # outside the tags programs, results and ties use
 _MAGIC = 0x6D706D64  # "mpmd": a message that is not a check-in is not read as one
 
 
@@ -58,6 +62,8 @@ class Call:
     kind: str  # one of KINDS
     options: str = ""  # what every rank must pass alike (clip_grad_norm_'s norm)
     batch: BatchPrint | None = None  # step / eval_step
+    # Given no target, the rank whose target this rank passes on.
+    target_from: str | None = None
 
     def __str__(self) -> str:
         return f"call {self.number} ({self.kind})"
@@ -81,9 +87,11 @@ class Call:
         """What a peer's error says this rank was doing: its options or its batch."""
         if self.batch is not None:
             target = self.batch.target
-            return f"inputs {self.batch.inputs}, " + (
-                "no target" if target is None else f"target {target}"
-            )
+            if self.target_from is not None:
+                given = f"no target (passing on {self.target_from}'s)"
+            else:
+                given = "no target" if target is None else f"target {target}"
+            return f"inputs {self.batch.inputs}, {given}"
         return f"{self.kind}({self.options})"
 
 
@@ -142,7 +150,9 @@ def _check_neighbours(
     """Exchanges the header with rank - 1 and rank + 1, in the global pair
     order (0, 1), (1, 2), ...: the first unfinished pair always has both ends
     ready, so blocking sends cannot deadlock. Equal neighbours make the whole
-    chain equal."""
+    chain equal. A rank given no target passes on the target of the rank
+    below it, so that ranks given targets on either side of it are compared
+    too."""
     me, size = transport.rank, transport.size
     mine = call.header(device)
     theirs = torch.empty_like(mine)
@@ -151,6 +161,11 @@ def _check_neighbours(
         recv(transport, theirs, me - 1, _CHECK_TAG, timeout, what, name(me - 1))
         send(transport, mine, me - 1, _CHECK_TAG, timeout, what, name(me - 1))
         _compare(transport, timeout, call, me - 1, mine, theirs, replicas, name, first=False)
+        if not replicas and int(mine[_TARGET]) == 0 and int(theirs[_TARGET]) != 0:
+            mine = mine.clone()
+            mine[_TARGET] = theirs[_TARGET]
+            mine[_TARGET_VALUES] = theirs[_TARGET_VALUES]
+            call = dataclasses.replace(call, target_from=name(me - 1))
     if me < size - 1:  # the lower end of (me, me + 1): send, then receive
         send(transport, mine, me + 1, _CHECK_TAG, timeout, what, name(me + 1))
         recv(transport, theirs, me + 1, _CHECK_TAG, timeout, what, name(me + 1))
@@ -197,9 +212,11 @@ def _compare(
 def _only_target_missing(mine: list[int], theirs: list[int], replicas: bool) -> bool:
     """The batches match, but one rank passed no target (only the last
     stage's rank reads it): not a difference."""
-    if replicas or mine[:5] != theirs[:5] or mine[6] != theirs[6]:
+    if replicas or mine[:_TARGET] != theirs[:_TARGET]:
         return False
-    return mine[5] == 0 or theirs[5] == 0
+    if mine[_INPUT_VALUES] != theirs[_INPUT_VALUES]:
+        return False
+    return mine[_TARGET] == 0 or theirs[_TARGET] == 0
 
 
 def _difference(
@@ -232,7 +249,8 @@ def _difference(
         )
     return (
         f"torchmpmd: {me} and {peer} were given different batches for {call}: the same shapes "
-        f"({call.describe()}) but other values (a sample of them differs). A rank skipped "
+        f"but other values (a sample of them differs; {me}: {call.describe()}; {peer}: "
+        f"{other}). A rank skipped "
         "or repeated a batch (a loader error caught on one rank?) or reads another part of "
         "the data; every rank of the pipeline must pass the same batch to each step"
     )

@@ -36,7 +36,7 @@ FIELDS = (
 def stable_hash(text: str) -> int:
     """A hash of `text` equal in every process (56 bits: an int64)."""
     # Object addresses (a function's repr in a graph) differ between processes.
-    stable = re.sub(r" at 0x[0-9a-f]+", "", text)
+    stable = _ADDRESS.sub("", text)
     return int.from_bytes(hashlib.sha256(stable.encode()).digest()[:7], "little")
 
 
@@ -126,18 +126,31 @@ def _describe(value: Any) -> str:
 
 def _values_hash(values: list[Any]) -> int:
     """A CRC-32 of evenly spaced elements of each tensor (their bytes, so
-    NaNs and signed zeros count as written) and of the other values' reprs.
-    Device tensors give their sample to the host (64 elements; the
-    check-in reads its messages on the host anyway)."""
+    NaNs and signed zeros count as written) and of the other values' reprs
+    (object addresses left out). Device tensors give their sample to the
+    host (64 elements; the check-in reads its messages on the host anyway)."""
     crc = 0
     for v in values:
         if isinstance(v, torch.Tensor):
-            flat = v.detach().reshape(-1)
-            sample = flat[:: max(flat.numel() // _SAMPLED, 1)].contiguous()
-            if sample.is_complex():
-                sample = torch.view_as_real(sample).contiguous()
-            data = sample.view(torch.uint8).cpu().numpy().tobytes()
+            data = _sample(v.detach()).view(torch.uint8).cpu().numpy().tobytes()
         else:
-            data = repr(v).encode()
+            data = _ADDRESS.sub("", repr(v)).encode()
         crc = zlib.crc32(data, crc)
     return crc
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-f]+")
+
+
+def _sample(t: torch.Tensor) -> torch.Tensor:
+    """About 64 evenly spaced elements of `t` (in row-major order), contiguous,
+    without copying the rest of a non-contiguous tensor."""
+    n = t.numel()
+    index = torch.arange(0, n, max(n // _SAMPLED, 1), device=t.device)
+    if t.is_contiguous():
+        sample = t.reshape(-1)[index]
+    else:
+        sample = t[torch.unravel_index(index, t.shape)] if t.dim() else t.reshape(1)
+    if sample.is_complex():
+        sample = torch.view_as_real(sample)
+    return sample.contiguous().reshape(-1)

@@ -182,8 +182,8 @@ def init_weights(
     own root `init_weights()` / `reset_parameters()` once, with the local
     tensors in place of the model's own while it runs (the others stay meta,
     where writes cost nothing); returns how many calls it made. A tensor
-    replaced (rather than written in place) becomes the local one, if it has
-    the local one's shape, dtype and device."""
+    replaced (rather than written in place) gives the local one its values,
+    if it has the local one's shape, dtype and device."""
     local: dict[str, torch.Tensor] = {}
     stage_of: dict[int, int] = {}
     for s, m in sorted(modules.items()):
@@ -220,7 +220,9 @@ def init_weights(
                 for name, mine, new in replaced:
                     _check_replacement(name, mine, new, stage_of[id(mine)], rank)
                 for _, mine, new in replaced:
-                    _replace(modules, mine, new)
+                    # Its values, not the object: the tie map, the executor
+                    # and data parallelism hold the local tensor itself.
+                    mine.copy_(new)
     return called
 
 
@@ -315,16 +317,3 @@ def _check_replacement(
             "tensor in place (torch.nn.init.*_, .copy_) or assign one of that shape, dtype and "
             "device"
         )
-
-
-def _replace(modules: dict[int, torch.nn.Module], old: torch.Tensor, new: torch.Tensor) -> None:
-    """Makes every local slot holding `old` hold `new` (fn assigned a new tensor)."""
-    for m in modules.values():
-        root = m.module if isinstance(m, EagerStage) else m
-        for owner in root.modules():
-            for slots in _slots(owner):
-                for leaf, t in list(slots.items()):
-                    if t is old:
-                        slots[leaf] = new
-        if isinstance(m, EagerStage):
-            m._mirror()

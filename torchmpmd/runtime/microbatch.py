@@ -37,10 +37,6 @@ class Microbatcher:
                 "and 'target'"
             )
 
-    def rows(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[list[Any]]:
-        """Per microbatch, the flat inputs in the traced order (shapes not checked)."""
-        return self.split(self._pipe.flatten_structure(args, kwargs))
-
     def split(self, flat: list[Any]) -> list[list[Any]]:
         """Per microbatch, its piece of the flat inputs (`Pipe.flatten_structure`)."""
         m = self.num_microbatches
@@ -65,53 +61,61 @@ class Microbatcher:
             else:
                 check_input(name, expected, value)
 
-    def targets(self, target: Any, flat: list[Any] | None = None) -> list[Any]:
-        """Per microbatch, its piece of `target` (None: no target). Given the
-        flat inputs, the target must split into the same rows as they do."""
+    def targets(self, target: Any, flat: list[Any]) -> list[Any]:
+        """Per microbatch, its piece of `target` (None: no target), split with
+        the batch's flat inputs `flat`: each microbatch's target holds the
+        rows of that microbatch's examples."""
         m = self.num_microbatches
         if target is None:
             return [None] * m
+        _refuse_numbers(target)
         dim = self._chunk_dims.get("target", 0)
         leaves, spec = pytree.tree_flatten(target)
-        _refuse_numbers(target)
-        if flat is not None and dim is not None:
-            self._check_rows(leaves, dim, flat)
+        batch = None if dim is None else self._split_input(flat)
         split = [
-            _chunk(leaf, m, dim, "target")
+            self._split_target(leaf, dim, batch)
             if isinstance(leaf, torch.Tensor) and dim is not None
             else [leaf] * m
             for leaf in leaves
         ]
         return [pytree.tree_unflatten([col[i] for col in split], spec) for i in range(m)]
 
-    def _check_rows(self, leaves: list[Any], dim: int, flat: list[Any]) -> None:
-        """Targets and inputs split together: the target's tensors have as many
-        rows (along their split dimension) as the first split input."""
-        batch = next(
-            (
-                (name, value, d)
-                for name, value in zip(self._pipe.input_names, flat, strict=True)
-                if isinstance(value, torch.Tensor)
-                and (d := self._chunk_dims.get(name, 0)) is not None
-                and value.dim() > d
-            ),
-            None,
-        )
+    def _split_input(self, flat: list[Any]) -> tuple[str, torch.Tensor, int] | None:
+        """The first input split into microbatches: (name, value, dimension)."""
+        for name, value in zip(self._pipe.input_names, flat, strict=True):
+            if isinstance(value, torch.Tensor):
+                d = self._chunk_dims.get(name, 0)
+                if d is not None and value.dim() > d:
+                    return name, value, d
+        return None
+
+    def _split_target(
+        self, leaf: torch.Tensor, dim: int, batch: tuple[str, torch.Tensor, int] | None
+    ) -> list[torch.Tensor]:
+        """A target tensor split with the batch: one row per example, or k
+        rows per example (a (batch * seq,) target of a (batch, seq) input),
+        each microbatch taking its examples' rows. Anything else would pair
+        targets with other examples' inputs, so it is refused."""
+        m = self.num_microbatches
         if batch is None:
-            return
+            return _chunk(leaf, m, dim, "target")
         name, value, d = batch
-        for leaf in leaves:
-            if not isinstance(leaf, torch.Tensor):
-                continue
-            rows = leaf.shape[dim] if leaf.dim() > dim else None
-            if rows != value.shape[d]:
-                raise ValueError(
-                    f"the target has shape {tuple(leaf.shape)} but input '{name}' has shape "
-                    f"{tuple(value.shape)}: the target must have one row per example along "
-                    f"dimension {dim} ({value.shape[d]}, as '{name}' along dimension {d}), so that "
-                    "both split into the same microbatches; pass the target of this batch, or "
-                    "chunk_dims={'target': None} to give every microbatch the whole target"
-                )
+        examples = value.shape[d]
+        rows = leaf.shape[dim] if leaf.dim() > dim else 0
+        if rows == examples:
+            return _chunk(leaf, m, dim, "target")
+        if rows and rows % examples == 0 and examples >= m:
+            per = rows // examples
+            sizes = [per * (examples // m + (1 if i < examples % m else 0)) for i in range(m)]
+            return [piece.contiguous() for piece in torch.split(leaf, sizes, dim)]
+        raise ValueError(
+            f"the target has shape {tuple(leaf.shape)} but input '{name}' has shape "
+            f"{tuple(value.shape)}: along dimension {dim} the target must have one row per "
+            f"example ({examples}, as '{name}' along dimension {d}), or the same number of rows "
+            "per example (a (batch * seq,) target of a (batch, seq) batch), so that both split "
+            "into the same microbatches; pass the target of this batch, or "
+            "chunk_dims={'target': None} to give every microbatch the whole target"
+        )
 
 
 def _refuse_numbers(target: Any) -> None:

@@ -24,7 +24,9 @@ A full recompute (R) replays the same way: its forward is the second call
 of the forward callable for that stage and microbatch, which replays the
 state the first began from, and the runner tells the native executor not to
 set the shared generator itself (`Executor.run(replay_rng=False)`) in rank
-threads. Only the CPU generator is kept per rank.
+threads. Only the CPU generator is kept per rank: stages on a GPU replay
+their recomputes from the device's shared generator, exact only while one
+rank thread draws at a time.
 """
 
 from __future__ import annotations
@@ -174,14 +176,15 @@ class _Replayed:
 
 
 def checkpoint_rng(
-    context_fn: Callable[[], tuple[Any, Any]],
+    context_fn: Callable[[], tuple[Any, Any]], device: torch.device
 ) -> tuple[Callable[[], tuple[Any, Any]], bool]:
     """`context_fn` and `preserve_rng_state` for torch.utils.checkpoint: as
-    given outside a LocalPipeline's rank threads; in them, the recompute
-    replays the forward's generator state under the lock itself (the
-    checkpoint's own replay would set the shared generator while another
-    rank draws)."""
-    if not in_rank_thread():
+    given outside a LocalPipeline's rank threads and for stages on another
+    device than the CPU (whose generator is not kept per rank: the
+    checkpoint replays it); in them, the recompute replays the forward's
+    generator state under the lock itself (the checkpoint's own replay would
+    set the shared generator while another rank draws)."""
+    if not in_rank_thread() or device.type != "cpu":
         return context_fn, True
 
     def contexts() -> tuple[Any, Any]:

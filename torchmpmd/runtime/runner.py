@@ -21,7 +21,7 @@ from ..graph.pipe import Pipe, TensorSpec, unique_named_parameters
 from ..parallel.fsdp import Parallelize, Shard
 from ..parallel.replicate import Replicate, broadcast_from_first
 from ..schedule.program import Program
-from ..schedule.task import Schedule, recomputed_stages, require_schedule
+from ..schedule.task import Schedule, is_index, recomputed_stages, require_schedule
 from ..schedule.timeline import Timeline, TimelineEvent, from_records
 from . import gloo_threads, heap, rank_rng
 from .checkin import Call, check_in
@@ -329,8 +329,8 @@ class PipelineRunner:
                 shapes=batch.shapes,
                 stage_done=None if dp is None else dp.stage_done,
                 # Ranks as threads replay a recompute's random numbers from
-                # their own generator (rank_rng.py), not the shared one.
-                replay_rng=not rank_rng.in_rank_thread(),
+                # their own CPU generator (rank_rng.py), not the shared one.
+                replay_rng=not (rank_rng.in_rank_thread() and self.device.type == "cpu"),
             )
         if dp is not None:
             dp.finish()
@@ -402,9 +402,10 @@ class PipelineRunner:
         try:
             first = not self._checked_same_job
             self._check_in(Call(self._calls, call, options, batch))
-            if first:
+            if first and call not in ("init_weights", "load_state_dict"):
                 # Copies of a tied weight built apart (each rank's model from
-                # its own seed) start equal, as replicas do at construction.
+                # its own seed) start equal, as replicas do at construction
+                # (init_weights and load_state_dict make them equal anyway).
                 with self._stages.allocation.copies_only():
                     self._send_ties()
             yield
@@ -417,7 +418,7 @@ class PipelineRunner:
                 reason = next((b.peek() for _, b in self._transports() if b is not None), None)
                 if reason is not None and type(err) is PipelineError:
                     self.failed_first = False
-                    failed = PipelineError(f"{err}; it failed first: {reason}")
+                    failed = PipelineError(f"{err}. The cause, posted before: {reason}")
                     self._fail(f"{self._me} failed in {call}: {failed}")
                     raise failed from err
             # First to fail, or failing because a peer did?
@@ -516,6 +517,7 @@ class PipelineRunner:
         holds the tie's first stage, and data-parallel replicas take dp rank
         0's values, so every rank must call it.
         """
+        self._refuse_if_failed()
         if fn is not None and not callable(fn):
             raise TypeError(
                 "init_weights: fn must be a function of one module (e.g. the model's "
@@ -528,7 +530,9 @@ class PipelineRunner:
             called = init_weights(
                 fn, modules, self._pipe.source, self._pipe.parameter_aliases, self.rank
             )
-        if not called:
+        # Stages without parameters or buffers have nothing to initialise.
+        holds = any([*m.parameters(), *m.buffers()] for m in modules.values())
+        if not called and holds:
             raise ValueError(
                 f"init_weights: rank {self.rank} found no module of the model owning a tensor of "
                 f"its stages {self.local_stages}"
@@ -632,6 +636,7 @@ class PipelineRunner:
         rank holding the tie's first stage, and data-parallel replicas take
         dp rank 0's values.
         """
+        self._refuse_if_failed()
         if not isinstance(state_dict, Mapping):
             raise TypeError(
                 f"load_state_dict takes a mapping of names to tensors, got "
@@ -794,7 +799,8 @@ class PipelineRunner:
         spec = specs[0]
         out = []
         for i, one in enumerate(spec.output_specs[spec.num_sends :]):
-            assert one is not None  # _check_mergeable
+            if one is None:  # refused by _check_mergeable before the call
+                raise RuntimeError("torchmpmd: eval_step reached a model output of no tensor")
             if self.rank == self._loss_rank:
                 t = merge([_done(o)[i] for o in outputs]).contiguous()
             else:
@@ -858,12 +864,13 @@ def _recompute_policy(
         if isinstance(recompute, Mapping)
         else dict.fromkeys(recompute, "full")
     )
-    for stage, mode in modes.items():
-        if not isinstance(stage, int) or isinstance(stage, bool):
+    for given, mode in modes.items():
+        if not is_index(given):
             raise TypeError(
-                f"recompute names stage {stage!r} ({type(stage).__name__}); a stage is an int "
+                f"recompute names stage {given!r} ({type(given).__name__}); a stage is an int "
                 f"index, 0..{num_stages - 1}"
             )
+        stage = int(given)
         if not 0 <= stage < num_stages:
             raise ValueError(
                 f"recompute names stage {stage!r}; the pipeline has stages 0..{num_stages - 1}"
@@ -873,8 +880,8 @@ def _recompute_policy(
                 f"recompute[{stage}] = {mode!r}: a stage is recomputed 'full' or 'selective'"
             )
     return (
-        frozenset(s for s, m in modes.items() if m == "full"),
-        frozenset(s for s, m in modes.items() if m == "selective"),
+        frozenset(int(s) for s, m in modes.items() if m == "full"),
+        frozenset(int(s) for s, m in modes.items() if m == "selective"),
     )
 
 
@@ -1094,9 +1101,8 @@ def _check_mergeable(
     microbatches': each tensor output is concatenated along dim 0. Refuses,
     before anything runs, an output that cannot be rebuilt that way (a value
     reduced over the microbatch, a number computed from it), instead of
-    returning what one microbatch gave."""
-    if num_microbatches == 1:
-        return
+    returning what one microbatch gave. With one microbatch every output
+    is the model's own."""
     for compiled in {id(c): c for c in per_mb}.values():
         pipe = compiled.pipe
         rows = _microbatch_rows(pipe, chunk_dims)
@@ -1106,7 +1112,11 @@ def _check_mergeable(
         for i, name in enumerate(pipe.output_names):
             if name is None:
                 value = pipe.constant_outputs[i]
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                if (
+                    num_microbatches > 1
+                    and isinstance(value, (int, float))
+                    and not isinstance(value, bool)
+                ):
                     raise ValueError(
                         f"eval_step: model output {i} is the number {value!r}, computed when the "
                         "model was traced on one microbatch: it may depend on the batch (a "
@@ -1121,13 +1131,16 @@ def _check_mergeable(
                     f"eval_step: model output '{out_name}' is not a tensor; pipelines return "
                     "tensors (and constants) only"
                 )
+            if num_microbatches == 1:
+                continue
             if not one.shape:
                 raise ValueError(
                     f"eval_step: model output '{out_name}' is a 0-d tensor per microbatch (a "
                     "value reduced over it, such as a loss or a sum): eval_step concatenates "
                     "the microbatches' outputs along dim 0, and a reduced value cannot be "
                     "rebuilt for the whole batch from them; return per-example values and "
-                    "reduce after eval_step, or use a schedule of one microbatch"
+                    "reduce after eval_step (a loss: compute it from the outputs eval_step "
+                    "returns, or take step()'s), or use a schedule of one microbatch"
                 )
             if rows is not None and one.shape[0] != rows:
                 raise ValueError(

@@ -125,7 +125,9 @@ class LocalStages:
         outputs; under selective recompute if the stage has it and grad is on."""
         args = (*self.user_inputs(step, stage, mb), *received)
         if stage in self.selective and torch.is_grad_enabled():
-            context_fn, preserve_rng_state = checkpoint_rng(selective_recompute_context)
+            context_fn, preserve_rng_state = checkpoint_rng(
+                selective_recompute_context, self.device
+            )
             return torch.utils.checkpoint.checkpoint(
                 self._calls[stage],
                 *args,

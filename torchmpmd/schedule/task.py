@@ -7,6 +7,7 @@ import io
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from .. import _C
 
@@ -130,13 +131,13 @@ class Schedule:
                 f"with_recompute takes stage indices, got {given!r} ({type(given).__name__}); "
                 + fix
             )
-        chosen = list(stages)
+        chosen: list[object] = list(stages)
         for s in chosen:
-            if not isinstance(s, int) or isinstance(s, bool):
+            if not is_index(s):
                 raise TypeError(
                     f"with_recompute: a stage is an int index, got {s!r} ({type(s).__name__})"
                 )
-        return _Recompute(self, frozenset(chosen))
+        return _Recompute(self, frozenset(int(cast(int, s)) for s in chosen))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_microbatches={self.num_microbatches})"
@@ -204,6 +205,11 @@ def recomputed_stages(schedule: Schedule, num_stages: int) -> frozenset[int]:
     return frozenset()
 
 
+def is_index(value: object) -> bool:
+    """An integer (numpy's too), not a bool: a stage or rank index."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def check_placement(placement: object, who: str) -> list[int]:
     """A placement (stage -> rank) as a list of ints; anything else (a float
     that would be truncated, a string, None, a bool) is refused, naming the stage."""
@@ -214,7 +220,7 @@ def check_placement(placement: object, who: str) -> list[int]:
         )
     given = list(placement)
     for stage, rank in enumerate(given):
-        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral):
+        if not is_index(rank):
             raise TypeError(
                 f"{who}: placement gives each stage's rank as an int; stage {stage} has "
                 f"{rank!r} ({type(rank).__name__}), in {given!r}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import numbers
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,6 +86,8 @@ class Timeline:
             )
         if self.num_ranks < 0:
             raise ValueError(f"Timeline: num_ranks must be 0 or more, got {self.num_ranks}")
+        if isinstance(self.events, (tuple, Iterator)):  # any sequence of events, kept as a list
+            self.events = list(self.events)
         self._check("Timeline")
 
     def _check(self, who: str) -> None:
