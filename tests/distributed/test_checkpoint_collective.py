@@ -8,6 +8,9 @@ naming that file and the tensor (2 Gloo ranks)."""
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import json
 import os
 import re
 import time
@@ -143,3 +146,74 @@ def test_a_corrupted_tensor_fails_the_load_on_every_rank(tmp_path: Path) -> None
         assert f"{tmp_path / 'step-1' / '__1_0.distcp'} fails its checksum for 'model.2.bias'" in (
             error
         )
+
+
+def fails_on_rank_1_after_the_check_in(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    runner, opt = _trained()
+    if rank == 1:
+        # A parameter that is not the runner's: only this rank cannot build its state.
+        stray = nn.Parameter(torch.zeros(3))
+        bad = torch.optim.AdamW([*runner.parameters(), stray], lr=1e-2)
+    store = dist.distributed_c10d._get_default_store()
+    attempt = _attempt(lambda: ckpt.save(Path(tmp) / "a", runner, bad if rank == 1 else opt))
+    if rank == 0:
+        store.set("rank 0 returned", "1")
+    else:
+        # Rank 1 lives on (as a training loop that caught the error would): rank
+        # 0 must not depend on it exiting to return.
+        with contextlib.suppress(RuntimeError):
+            store.wait(["rank 0 returned"], datetime.timedelta(seconds=20))
+    after = _attempt(lambda: ckpt.save(Path(tmp) / "b", runner, opt))
+    # An optimizer on rank 0 only: decided from the check-in, alike on both.
+    one_sided = _attempt(lambda: ckpt.save(Path(tmp) / "c", runner, opt if rank == 0 else None))
+    return {"failed": attempt, "after": after, "one_sided": one_sided}
+
+
+def test_a_save_failing_on_one_rank_fails_every_rank_quickly(tmp_path: Path) -> None:
+    results = check_all(run_ranks(fails_on_rank_1_after_the_check_in, 2, str(tmp_path)))
+    for r in results:
+        error = r["failed"]["error"]
+        assert error is not None and r["failed"]["seconds"] < 10, r["failed"]
+        assert "rank 1's optimizer holds a parameter of shape [3]" in error, error
+        assert "not one of the runner's" in error, error
+        assert r["after"]["error"] is None, r["after"]
+        one_sided = r["one_sided"]["error"]
+        assert one_sided is not None and r["one_sided"]["seconds"] < 10, r["one_sided"]
+        assert "rank(s) [1] passed no optimizer and the others did" in one_sided, one_sided
+    assert sorted(os.listdir(tmp_path)) == ["b"]
+
+
+def saves_twice_with_an_empty_rank(rank: int, world: int, tmp: str) -> list[str]:
+    # Stage 1 (rank 1) holds no tensor: DCP still writes an empty __1_0.distcp.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 2), nn.Tanh())
+    pipe = mpmd.trace(model, (torch.randn(2, 4),), split_before=["1"])
+    runner = mpmd.PipelineRunner(
+        pipe,
+        mpmd.schedules.GPipe(2),
+        loss_fn=lambda out, y: (out - y).square().mean(),
+        timeout=30,
+    )
+    path = Path(tmp) / "latest"
+    # No extra: DCP would give its entry to rank 1 (the smaller plan takes what is shared).
+    ckpt.save(path, runner)
+    ckpt.save(path, runner)  # the same path every N steps
+    assert ckpt.load(path, runner) == {}
+    listed = sorted(os.listdir(path))
+    # With an optimizer: rank 1's holds an empty group, with rank 0's settings.
+    params = list(runner.parameters())
+    opt = torch.optim.AdamW(params if params else [{"params": []}], lr=1e-2)
+    ckpt.save(Path(tmp) / "with-optimizer", runner, opt, extra={"step": 3})
+    opt.param_groups[0]["lr"] = 0.5
+    assert ckpt.load(Path(tmp) / "with-optimizer", runner, opt) == {"step": 3}
+    assert opt.param_groups[0]["lr"] == 1e-2
+    return listed
+
+
+def test_saving_twice_to_one_path_with_a_rank_that_writes_nothing(tmp_path: Path) -> None:
+    r0, r1 = check_all(run_ranks(saves_twice_with_an_empty_rank, 2, str(tmp_path)))
+    assert r0 == r1
+    assert "__1_0.distcp" in r0 and (tmp_path / "latest" / "__1_0.distcp").stat().st_size == 0
+    manifest = json.loads((tmp_path / "latest" / ".torchmpmd.json").read_text())
+    assert manifest["files"]["__1_0.distcp"] == {"size": 0, "items": []}
+    assert sorted(os.listdir(tmp_path)) == ["latest", "with-optimizer"]

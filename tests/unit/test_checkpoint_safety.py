@@ -8,10 +8,17 @@ a first line that says what is wrong (one process, a world of one rank)."""
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import datetime
 import fractions
+import io
+import json
 import os
+import pathlib
 import pickle
+import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,7 +33,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import torchmpmd as mpmd
-from torchmpmd.checkpoint import CheckpointError
+from torchmpmd.checkpoint import CheckpointError, paths, storage
 
 ckpt = mpmd.checkpoint
 
@@ -333,3 +340,214 @@ def test_missing_optimizer_state() -> None:
     ckpt.save("ckpt/step-1", runner)
     with pytest.raises(KeyError, match=r"holds no optimizer state .*optimizer=None"):
         ckpt.load("ckpt/step-1", runner, opt)
+
+
+# ---- a manifest or metadata is not trusted to name paths
+
+
+def _edit_manifest(path: Path, edit: Any) -> None:
+    manifest_path = path / ".torchmpmd.json"
+    manifest = json.loads(manifest_path.read_text())
+    edit(manifest)
+    manifest_path.write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("name", ["../victim.txt", "ABSOLUTE", "sub/../../victim.txt", ".."])
+def test_save_refuses_a_manifest_naming_paths_outside_the_checkpoint(
+    in_tmp: Path, name: str
+) -> None:
+    runner, opt = _trained()
+    ckpt.save("ckpt/step-1", runner, opt)
+    Path("ckpt/victim.txt").write_text("keep me")
+    Path("elsewhere.txt").write_text("keep me too")
+    name = str(in_tmp / "elsewhere.txt") if name == "ABSOLUTE" else name
+    _edit_manifest(Path("ckpt/step-1"), lambda m: m["files"].update({name: {"size": 7}}))
+    before = _tree(in_tmp)
+    with pytest.raises(FileExistsError, match=rf"\.torchmpmd\.json .*{re.escape(repr(name))}"):
+        ckpt.save("ckpt/step-1", runner, opt)
+    assert _tree(in_tmp) == before
+    with pytest.raises(CheckpointError, match=r"\.torchmpmd\.json names .*not a plain file name"):
+        ckpt.load("ckpt/step-1", runner, opt)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda m: m.update(version="1"), r"version '1'"),
+        (lambda m: m.update(version=None), r"version None"),
+        (lambda m: m["files"]["__0_0.distcp"].update(items=[[0, 8]]), r"items of '__0_0.distcp'"),
+        (lambda m: m["files"]["__0_0.distcp"].update(items=7), r"items of '__0_0.distcp'"),
+        (lambda m: m["files"]["__0_0.distcp"].update(size="8"), r"size of '__0_0.distcp'"),
+        (lambda m: m["files"].update({"__0_0.distcp": [1]}), r"'__0_0.distcp'"),
+    ],
+)
+def test_a_malformed_manifest_is_named(edit: Any, message: str) -> None:
+    runner, opt = _trained()
+    ckpt.save("ckpt/step-1", runner, opt)
+    _edit_manifest(Path("ckpt/step-1"), edit)
+    with pytest.raises(
+        CheckpointError, match=rf"^checkpoint ckpt/step-1: .*\.torchmpmd\.json.*{message}"
+    ):
+        ckpt.load("ckpt/step-1", runner, opt)
+    with pytest.raises(FileExistsError, match=rf"\.torchmpmd\.json.*{message}"):
+        ckpt.save("ckpt/step-1", runner, opt)
+
+
+def test_removing_a_replaced_checkpoint_deletes_only_its_regular_files(in_tmp: Path) -> None:
+    old = in_tmp / "old"
+    old.mkdir()
+    (old / "__0_0.distcp").write_bytes(b"data")
+    (old / ".metadata").write_bytes(b"meta")
+    (old / "sub").mkdir()
+    (old / "sub" / "kept").write_text("kept")
+    (in_tmp / "outside").write_text("kept")
+    (old / "link").symlink_to(in_tmp / "outside")
+    files = {n: {"size": 4, "items": []} for n in ("__0_0.distcp", "sub", "link", "gone")}
+    manifest = {"format": "torchmpmd.checkpoint", "version": 1, "checksum": None, "files": files}
+    (old / ".torchmpmd.json").write_text(json.dumps(manifest))
+    with pytest.warns(UserWarning, match=r"holds files it did not write"):
+        paths._remove_checkpoint(old)
+    assert sorted(os.listdir(old)) == ["link", "sub"]
+    assert (old / "sub" / "kept").read_text() == "kept"
+    assert (in_tmp / "outside").read_text() == "kept"
+
+
+def _relocated(path: Path, where: str) -> None:
+    """Rewrites `.metadata` so that every item is read from `where`."""
+    metadata = FileSystemReader(str(path)).read_metadata()
+    for index, info in metadata.storage_data.items():
+        metadata.storage_data[index] = dataclasses.replace(info, relative_path=where)
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+@pytest.mark.parametrize("where", ["../outside.distcp", "ABSOLUTE"])
+def test_load_refuses_metadata_naming_files_outside_the_checkpoint(
+    in_tmp: Path, where: str
+) -> None:
+    runner, opt = _trained()
+    ckpt.save("ckpt/step-1", runner, opt)
+    shutil.copy("ckpt/step-1/__0_0.distcp", "ckpt/outside.distcp")
+    where = str(in_tmp / "ckpt" / "outside.distcp") if where == "ABSOLUTE" else where
+    _relocated(Path("ckpt/step-1"), where)
+    with pytest.raises(
+        CheckpointError, match=rf"\.metadata places .* in {re.escape(repr(where))}, .*outside"
+    ):
+        ckpt.load("ckpt/step-1", runner, opt)
+
+
+# ---- paths of other Python versions
+
+
+@pytest.mark.parametrize("module", ["pathlib", "pathlib._local"])
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("PosixPath", pathlib.PurePosixPath("a")),
+        ("PurePosixPath", pathlib.PurePosixPath("a")),
+        ("WindowsPath", pathlib.PureWindowsPath("a")),
+        ("PureWindowsPath", pathlib.PureWindowsPath("a")),
+    ],
+)
+def test_metadata_paths_load_under_either_pathlib_spelling(
+    module: str, name: str, expected: pathlib.PurePath
+) -> None:
+    # Python 3.13 moved pathlib's classes to pathlib._local: a pickle names
+    # the module of the Python that wrote it.
+    crafted = b"\x80\x02c" + f"{module}\n{name}\n".encode() + b"X\x01\x00\x00\x00a\x85R."
+    loaded = storage._MetadataUnpickler(io.BytesIO(crafted)).load()
+    assert type(loaded).__name__ in (name, "Pure" + name.removeprefix("Pure"))
+    assert str(loaded) == str(expected) and isinstance(loaded, type(expected))
+
+
+@pytest.mark.parametrize("module", [b"pathlib", b"pathlib._local"])
+def test_a_checkpoint_of_another_python_loads(module: bytes) -> None:
+    runner, opt = _trained()
+    ckpt.save("ckpt/step-1", runner, opt, extra={"step": 1})
+    metadata = FileSystemReader("ckpt/step-1").read_metadata()
+    raw = pickle.dumps(metadata, protocol=2)  # GLOBAL opcodes: the module name in plain text
+    spelled = re.subn(rb"cpathlib(\._local)?\nPosixPath\n", b"c" + module + b"\nPosixPath\n", raw)
+    assert spelled[1] == 1
+    Path("ckpt/step-1/.metadata").write_bytes(spelled[0])
+    assert ckpt.load("ckpt/step-1", _runner(seed=1)) == {"step": 1}
+
+
+# ---- replacing a checkpoint
+
+
+def test_a_replaced_checkpoint_that_cannot_be_removed_is_a_warning(
+    in_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner, opt = _trained()
+    ckpt.save("ckpt/step-1", runner, opt, extra={"step": 1})
+    real_unlink = os.unlink
+
+    def refused(p: Any, *args: Any, **kwargs: Any) -> None:
+        if ".old-" in os.fspath(p):
+            raise PermissionError(13, "Permission denied", os.fspath(p))
+        real_unlink(p, *args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "unlink", refused)
+        patched.setattr(Path, "unlink", lambda self, missing_ok=False: refused(self))
+        with pytest.warns(
+            UserWarning, match=r"the replaced checkpoint, renamed to .*\.step-1\.old-.*Permission"
+        ):
+            ckpt.save("ckpt/step-1", runner, opt, extra={"step": 2})
+    assert ckpt.load("ckpt/step-1", _runner(seed=1)) == {"step": 2}
+
+
+def test_save_onto_a_checkpoint_without_a_manifest_says_what_it_is(in_tmp: Path) -> None:
+    runner, _ = _trained()
+    model_sd, _ = get_state_dict(ckpt.local_model(runner), [])
+    dcp.save({"model": model_sd}, checkpoint_id=Path("plain"))
+    before = _tree(in_tmp)
+    with pytest.raises(
+        FileExistsError,
+        match=r"'plain' .* is a DCP checkpoint without a torchmpmd manifest .*older torchmpmd "
+        r"or by dcp.save.*delete it .*or save to a new path",
+    ):
+        ckpt.save("plain", runner)
+    assert _tree(in_tmp) == before
+
+
+def _same(a: Any, b: Any, where: str = "extra") -> None:
+    """`a` equals `b` with the same container types and key types throughout."""
+    assert type(a) is type(b), (where, a, b)
+    if isinstance(a, torch.Tensor):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=where)
+    elif isinstance(a, dict):
+        assert list(a) == list(b), (where, a, b)
+        for k in a:
+            _same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), (where, a, b)
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+def test_extra_accepts_the_containers_weights_only_loading_reads() -> None:
+    runner, opt = _trained()
+    extra = {
+        "order": collections.OrderedDict(b=2, a=1),
+        "counts": collections.Counter("abca"),
+        "nested": [collections.OrderedDict(x=1.5), collections.Counter("zz"), (1, "a")],
+        # DCP stores these entry by entry (extra.rng.0, extra.keys.1): load
+        # rebuilds the lists, the keys' types and the empty dict.
+        "rng": [torch.ones(2), torch.arange(3)],
+        "keys": {1: torch.zeros(1), "e": {}, None: [torch.ones(1), {"a": 2}], b"k": 3},
+        "t": (torch.ones(1), [2]),
+        "per_rank": [torch.full((2,), 7.0), collections.OrderedDict(seed=3)],
+    }
+    ckpt.save("ckpt/step-1", runner, opt, extra=extra)
+    loaded = ckpt.load("ckpt/step-1", runner, opt)
+    _same(loaded, extra)
+    point = collections.namedtuple("point", "x y")
+    for refused, shown in [
+        (collections.defaultdict(int), "collections.defaultdict"),
+        (point(1, 2), "point"),
+        ([collections.UserDict()], "collections.UserDict"),
+    ]:
+        with pytest.raises(TypeError, match=rf"extra\['v'\].* is a .*{shown}"):
+            ckpt.save("ckpt/step-2", runner, opt, extra={"v": refused})

@@ -13,11 +13,11 @@ split, schedule or number of ranks loads it, and so does the plain model with
 DCP's standard calls.
 
 `save` writes into a staging directory beside `path` and renames it into
-place once every rank has finished: a directory at `path` is always a
-complete checkpoint. It replaces only a checkpoint it wrote (paths.py);
-anything else at `path` is refused before a byte is written. Every stored
-item has a CRC-32 in the checkpoint's manifest, checked at `load`
-(storage.py).
+place once every rank has finished: at any moment `path` is absent, the old
+complete checkpoint or the new complete one, never a partial one. It
+replaces only a checkpoint it wrote (paths.py); anything else at `path` is
+refused before a byte is written. Every stored item has a CRC-32 in the
+checkpoint's manifest, checked at `load` (storage.py).
 
 `load` runs no code from the files: DCP's `.metadata` is unpickled with DCP's
 own classes only, and every other object weights-only
@@ -25,10 +25,17 @@ own classes only, and every other object weights-only
 
 `extra` holds tensors and plain Python data, equal on every rank (the step,
 the data position), except `extra["per_rank"]`, which is kept per rank
-(random generator states): `load` returns each rank its own.
+(random generator states): `load` returns each rank its own. DCP stores a
+dict, and a list holding tensors or dicts, entry by entry under joined names
+(`extra.rng.0`), which do not say which was a list or what a key's type was:
+`save` also stores each value's layout (its containers, under `_LAYOUT`),
+from which `load` rebuilds them as they were.
 
 `save` and `load` are collectives: every rank checks in first (agree.py), and
-a rank that does not call them fails the others within `timeout`.
+a rank that does not call them fails the others within `timeout`. What a
+rank can find wrong on its own (a refusal, an optimizer that holds other
+parameters) it finds before the check-in and posts there, so every rank
+raises it before any collective of DCP's.
 """
 
 from __future__ import annotations
@@ -43,7 +50,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
@@ -51,7 +57,15 @@ from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_asyn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from ..graph.pipe import place_tensor
-from .agree import PER_RANK, check_extra, check_in, compare_extra, digest_extra
+from .agree import (
+    PER_RANK,
+    check_extra,
+    check_in,
+    compare_extra,
+    digest_extra,
+    digest_groups,
+    empty_like,
+)
 from .errors import CheckpointError, describe, raise_agreed, unwrap
 from .paths import Target, abandon, commit, plan
 from .storage import ChecksumWriter, PlainDataPlanner, VerifyingReader
@@ -68,6 +82,9 @@ __all__ = [
     "local_model",
     "save",
 ]
+
+# The entry holding the layout of `extra` and of each rank's `per_rank`.
+_LAYOUT = "torchmpmd_layout"
 
 # The directory where this process's last `latest` found no checkpoint, for
 # the message of `load(None)`.
@@ -103,45 +120,83 @@ def local_model(runner: PipelineRunner) -> torch.nn.Module:
 
 
 def _state(
-    runner: PipelineRunner, optimizer: torch.optim.Optimizer | None
+    runner: PipelineRunner, optimizer: torch.optim.Optimizer | None, call: str
 ) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """This rank's model (and optimizer) state, keyed like the unpipelined
+    model's. Local: no collective. Raises naming this rank where its
+    optimizer holds a parameter that is not the runner's."""
     view = local_model(runner)
-    if optimizer is None:
-        model_sd, _ = get_state_dict(view, [])
-        return view, {"model": model_sd}
-    model_sd, optim_sd = get_state_dict(view, optimizer)
+    if optimizer is not None:
+        known = {id(p) for p in view.parameters()}
+        for i, group in enumerate(optimizer.param_groups):
+            stray = next((p for p in group["params"] if id(p) not in known), None)
+            if stray is not None:
+                raise ValueError(
+                    f"checkpoint.{call}: rank {_rank()}'s optimizer holds a parameter of shape "
+                    f"{list(stray.shape)} (in parameter group {i}) that is not one of the "
+                    "runner's on this rank: build the optimizer from runner.parameters()"
+                )
+    if not view.state_dict():
+        # A rank whose stages hold no tensor (get_state_dict refuses an empty model).
+        empty: dict[str, Any] = {"model": {}}
+        if optimizer is not None:
+            empty["optim"] = {
+                "state": {},
+                "param_groups": [
+                    {**{k: v for k, v in g.items() if k != "params"}, "params": []}
+                    for g in optimizer.param_groups
+                ],
+            }
+        return view, empty
+    try:
+        if optimizer is None:
+            model_sd, _ = get_state_dict(view, [])
+            return view, {"model": model_sd}
+        model_sd, optim_sd = get_state_dict(view, optimizer)
+    except Exception as err:
+        raise RuntimeError(
+            f"checkpoint.{call}: rank {_rank()} cannot collect its model and optimizer state: "
+            f"get_state_dict raised {type(err).__name__}: {err}"
+        ) from err
     return view, {"model": model_sd, "optim": optim_sd}
 
 
-def _merge_param_groups(optim_sd: dict[str, Any], runner: PipelineRunner) -> None:
+def _merge_param_groups(
+    optim_sd: dict[str, Any], everyone: list[Any], runner: PipelineRunner, call: str
+) -> None:
     """Makes `param_groups` the whole model's, as the unpipelined optimizer's:
     group i lists the parameters of group i on every rank, in the model's
-    order. Every rank then writes the same entry (one copy in the checkpoint)."""
+    order. Every rank then writes the same entry (one copy in the checkpoint).
+    `everyone`: each rank's `digest_groups`, from the check-in, alike on every
+    rank, so every rank raises the same error where they do not fit."""
     groups = optim_sd.get("param_groups", [])
-    if not dist.is_initialized():
-        return
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, groups)
     if len({len(g) for g in everyone}) != 1:
         raise ValueError(
-            "checkpoint.save: the ranks' optimizers have different numbers of parameter groups "
-            f"({[len(g) for g in everyone]}); build the same groups on every rank (empty ones too)"
+            f"checkpoint.{call}: the ranks' optimizers have different numbers of parameter "
+            f"groups ({[len(g) for g in everyone]}); build the same groups on every rank (empty "
+            "ones too)"
         )
     aliases = runner.parameter_aliases()
     order = {n: i for i, n in enumerate(dict.fromkeys(ns[0] for ns in aliases.values()))}
     for i, group in enumerate(groups):
         names: set[str] = set()
-        for rank_groups in everyone:
-            other = rank_groups[i]
-            mismatch = {
-                k for k in set(group) | set(other) if k != "params" and group.get(k) != other.get(k)
-            }
+        first = everyone[0][i]["settings"]
+        for r, rank_groups in enumerate(everyone):
+            other = rank_groups[i]["settings"]
+            mismatch = sorted(
+                k for k in set(first) | set(other) if first.get(k, [""])[0] != other.get(k, [""])[0]
+            )
             if mismatch:
-                raise ValueError(
-                    f"checkpoint.save: parameter group {i} has other settings on another rank "
-                    f"({sorted(mismatch)}); use the same hyperparameters on every rank"
+                shown = "; ".join(
+                    f"{k}: {first[k][1] if k in first else 'not set'} on rank 0, "
+                    f"{other[k][1] if k in other else 'not set'} on rank {r}"
+                    for k in mismatch[:3]
                 )
-            names.update(other["params"])
+                raise ValueError(
+                    f"checkpoint.{call}: parameter group {i} has other settings on rank {r} than "
+                    f"on rank 0 ({shown}); use the same hyperparameters on every rank"
+                )
+            names.update(rank_groups[i]["params"])
         group["params"] = sorted(names, key=lambda n: order.get(n, len(order)))
 
 
@@ -150,22 +205,30 @@ def _with_extra(state: dict[str, Any], extra: Mapping[str, Any] | None) -> dict[
         return state
     common = {k: v for k, v in extra.items() if k != PER_RANK}
     out = dict(state)
+    layouts = {}
     if common:
         out["extra"] = common
+        layouts["extra"] = (_layout(common),)
     if PER_RANK in extra:
-        out[f"{PER_RANK}.rank{_rank()}"] = extra[PER_RANK]
+        own = f"{PER_RANK}.rank{_rank()}"
+        out[own] = extra[PER_RANK]
+        layouts[own] = (_layout(extra[PER_RANK]),)
+    # In a tuple, which DCP stores as one object, not entry by entry.
+    out[_LAYOUT] = layouts
     return out
 
 
-def _saved_state(
-    runner: PipelineRunner,
-    optimizer: torch.optim.Optimizer | None,
-    extra: Mapping[str, Any] | None,
-) -> dict[str, Any]:
-    _, state = _state(runner, optimizer)
-    if "optim" in state:
-        _merge_param_groups(state["optim"], runner)
-    return _with_extra(state, extra)
+def _layout(value: Any) -> Any:
+    """`value`'s dicts and lists with everything else None: what `load` needs
+    to rebuild it from DCP's entries (plain data, read weights-only)."""
+    if isinstance(value, Mapping):
+        out = empty_like(value)
+        for k, v in value.items():
+            out[k] = _layout(v)
+        return out
+    if isinstance(value, list):
+        return [_layout(v) for v in value]
+    return None
 
 
 def _rank() -> int:
@@ -192,25 +255,30 @@ def _begin_save(
     call: str,
     path: str | os.PathLike[str],
     runner: PipelineRunner,
+    optimizer: torch.optim.Optimizer | None,
     extra: Mapping[str, Any] | None,
     timeout: float | None,
-) -> Target:
-    """The check-in of a save: every rank is there, `extra` is plain data
-    and equal on every rank, and rank 0 found `path` safe to write; raises
-    on every rank alike otherwise, before anything is written."""
+) -> tuple[Target, dict[str, Any]]:
+    """The check-in of a save: every rank is there, built its state, `extra`
+    is plain data and equal on every rank, and rank 0 found `path` safe to
+    write; raises on every rank alike otherwise, before anything is written.
+    Returns where to write and what (this rank's state, with `extra`)."""
     seconds = _timeout(timeout, runner, call)
     problem: Exception | None = None
     target: Target | None = None
     digest: dict[str, list[str]] = {}
+    state: dict[str, Any] = {}
     try:
         if path is None:
             raise TypeError(f"checkpoint.{call}: path is None; name a checkpoint directory")
         check_extra(extra)
         digest = digest_extra(extra)
+        _, state = _state(runner, optimizer, call)
         if _rank() == 0:
             target = plan(path)
     except Exception as err:
         problem = err
+    groups = digest_groups(state["optim"]["param_groups"]) if "optim" in state else None
     shared = (
         {
             "path": str(target.path),
@@ -221,16 +289,29 @@ def _begin_save(
         else None
     )
     entries = check_in(
-        call, path, seconds, {"error": describe(problem), "extra": digest, "target": shared}
+        call,
+        path,
+        seconds,
+        {"error": describe(problem), "extra": digest, "target": shared, "groups": groups},
     )
     raise_agreed([e["error"] for e in entries], problem)
     compare_extra(entries)
+    without = [r for r, e in enumerate(entries) if e["groups"] is None]
+    if "optim" in state or without:
+        if without and len(without) != len(entries):
+            raise ValueError(
+                f"checkpoint.{call}: rank(s) {without} passed no optimizer and the others did; "
+                "pass the optimizer on every rank, or on none"
+            )
+        if "optim" in state:
+            _merge_param_groups(state["optim"], [e["groups"] for e in entries], runner, call)
     decided = entries[0]["target"]
-    return Target(
+    target = Target(
         path=Path(decided["path"]),
         staging=Path(decided["staging"]),
         created=tuple(Path(p) for p in decided["created"]),
     )
+    return target, _with_extra(state, extra)
 
 
 def save(
@@ -243,16 +324,18 @@ def save(
     checksums: bool = True,
 ) -> None:
     """Writes a checkpoint of every rank's stages (collective: call on all
-    ranks). `path` must be new, empty, or a checkpoint `save` wrote (replaced
-    atomically); anything else there is refused before a byte is written.
+    ranks). `path` must be new, empty, or a checkpoint `save` wrote; anything
+    else there is refused before a byte is written. A checkpoint at `path` is
+    replaced by renames: at any moment `path` is absent (between the two
+    renames), the old complete checkpoint, or the new complete one.
     `extra`: tensors and plain Python data, equal on every rank except
     `extra["per_rank"]`. `timeout`: seconds the ranks wait for each other at
     the start (default: the runner's). `checksums`: a CRC-32 of every stored
     item, checked by `load`."""
-    target = _begin_save("save", path, runner, extra, timeout)
+    target, state = _begin_save("save", path, runner, optimizer, extra, timeout)
     try:
         writer = ChecksumWriter(target.staging, checksums=checksums)
-        dcp_save(_saved_state(runner, optimizer, extra), storage_writer=writer)
+        dcp_save(state, storage_writer=writer)
     except BaseException as err:
         if _rank() == 0:
             abandon(target)
@@ -282,10 +365,10 @@ def async_save(
     is written (on rank 0: when the checkpoint is in place). Wait for it
     before the next `async_save` (collective). Blocks for the check-in and
     the copy; not thread-safe."""
-    target = _begin_save("async_save", path, runner, extra, timeout)
+    target, state = _begin_save("async_save", path, runner, optimizer, extra, timeout)
     try:
         writer = ChecksumWriter(target.staging, checksums=checksums)
-        written = dcp_async_save(_saved_state(runner, optimizer, extra), storage_writer=writer)
+        written = dcp_async_save(state, storage_writer=writer)
     except BaseException as err:
         if _rank() == 0:
             abandon(target)
@@ -348,7 +431,7 @@ def load(
     except Exception as err:
         problem = err
     _agree(problem)
-    planner = PlainDataPlanner(source) if weights_only else DefaultLoadPlanner()
+    planner = PlainDataPlanner(source, weights_only=weights_only)
     try:
         dcp_load(state, storage_reader=reader, planner=planner)
     except CheckpointException as err:
@@ -357,12 +440,20 @@ def load(
         # The checkpoint lists the whole model's parameters; this rank's are its own.
         for group, mine in zip(state["optim"]["param_groups"], local_groups, strict=True):
             group["params"] = mine
-    set_state_dict(
-        view,
-        [optimizer] if optimizer is not None else [],
-        model_state_dict=state["model"],
-        optim_state_dict=state.get("optim", {}),
-    )
+    if state["model"]:
+        set_state_dict(
+            view,
+            [optimizer] if optimizer is not None else [],
+            model_state_dict=state["model"],
+            optim_state_dict=state.get("optim", {}),
+        )
+    elif optimizer is not None:
+        # No tensor on this rank (set_state_dict refuses an empty model): only
+        # the groups' settings load.
+        for group, saved in zip(
+            optimizer.param_groups, state["optim"]["param_groups"], strict=True
+        ):
+            group.update({k: v for k, v in saved.items() if k != "params"})
     extra = dict(state.get("extra", {}))
     if own in state:
         extra[PER_RANK] = state[own]
@@ -384,12 +475,21 @@ def _prepare_load(
         )
     reader = VerifyingReader(source, weights_only=weights_only)
     keys = reader.read_metadata().state_dict_metadata
-    view, state = _state(runner, optimizer)
-    if any(k.startswith("extra.") for k in keys):
-        state["extra"] = _template(keys, "extra")
+    view, state = _state(runner, optimizer, "load")
     own = f"{PER_RANK}.rank{_rank()}"
-    if any(k == own or k.startswith(own + ".") for k in keys):
-        state[own] = _template(keys, own)
+    for name in ("extra", own):
+        layout = f"{_LAYOUT}.{name}"
+        if layout in keys:
+            stored = reader.read_object(layout)
+            if not (isinstance(stored, tuple) and len(stored) == 1):
+                raise CheckpointError(
+                    f"checkpoint {source}: entry {layout!r} is not a layout; the checkpoint is "
+                    "damaged"
+                )
+            state[name] = _rebuild(source, keys, name, stored[0])
+        elif any(k == name or k.startswith(name + ".") for k in keys):
+            # Written without a layout (plain dcp.save): nested dicts.
+            state[name] = _template(keys, name)
     local_groups = [list(g["params"]) for g in state.get("optim", {}).get("param_groups", [])]
     _check_entries(source, state, keys)
     return reader, view, state, own, local_groups
@@ -439,17 +539,39 @@ def _check_entries(source: Path, state: dict[str, Any], keys: Mapping[str, Any])
             )
 
 
+def _leaf(meta: Any) -> Any:
+    """What DCP loads an entry into: an empty tensor where a tensor was
+    saved, None where an object was."""
+    if isinstance(meta, TensorStorageMetadata):
+        return torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+    return None
+
+
+def _rebuild(source: Path, keys: Mapping[str, Any], name: str, layout: Any) -> Any:
+    """The value saved under `name`, for DCP to load into, shaped by its
+    layout: its dicts (with their types and keys) and lists, and `_leaf`
+    where DCP stored an entry (a whole list or dict where DCP stored it as
+    one object)."""
+    if name in keys:
+        return _leaf(keys[name])
+    if isinstance(layout, Mapping):
+        out = empty_like(layout)
+        for k, v in layout.items():
+            out[k] = _rebuild(source, keys, f"{name}.{k}", v)
+        return out
+    if isinstance(layout, list):
+        return [_rebuild(source, keys, f"{name}.{i}", v) for i, v in enumerate(layout)]
+    raise CheckpointError(
+        f"checkpoint {source}: its layout of the saved values names {name!r}, which the "
+        "checkpoint does not hold; the checkpoint is damaged"
+    )
+
+
 def _template(keys: Mapping[str, Any], prefix: str) -> Any:
     """A nested dict shaped like the saved entries under `prefix`, for DCP to
-    load into: an empty tensor where a tensor was saved, None where an object was."""
-
-    def leaf(meta: Any) -> Any:
-        if isinstance(meta, TensorStorageMetadata):
-            return torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-        return None
-
+    load into (for a checkpoint without a layout)."""
     if prefix in keys:
-        return leaf(keys[prefix])
+        return _leaf(keys[prefix])
     out: dict[str, Any] = {}
     for k, meta in keys.items():
         if k.startswith(prefix + "."):
@@ -457,7 +579,7 @@ def _template(keys: Mapping[str, Any], prefix: str) -> Any:
             node = out
             for p in parts[:-1]:
                 node = node.setdefault(p, {})
-            node[parts[-1]] = leaf(meta)
+            node[parts[-1]] = _leaf(meta)
     return out
 
 

@@ -11,10 +11,14 @@ timeout, naming it, instead of leaving them in a collective.
 `extra` holds tensors and plain Python data only (it loads without running
 code) and, except `extra["per_rank"]`, must be equal on every rank: each rank
 posts a digest of its values and a mismatch fails every rank naming the key.
+A save's entry also carries what each rank's optimizer groups hold, so that
+the whole model's groups are built from the entries, without a collective of
+their own.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import itertools
@@ -32,6 +36,10 @@ PER_RANK = "per_rank"
 _PREFIX = "torchmpmd.checkpoint"
 _GRACE = 5.0  # extra seconds other ranks wait for rank 0's verdict
 _PLAIN = (type(None), bool, int, float, str, bytes)
+# The containers `torch.load(weights_only=True)` rebuilds, with the
+# subclasses of dict it knows (they read back as themselves).
+_SEQUENCES = (list, tuple)
+_MAPPINGS = (dict, collections.OrderedDict, collections.Counter)
 _calls = itertools.count(1)  # this process's save and load calls, alike on every rank
 _show = reprlib.Repr()
 _show.maxstring, _show.maxother, _show.maxlist, _show.maxdict = 40, 40, 4, 4
@@ -109,22 +117,22 @@ def check_extra(extra: Mapping[str, Any] | None) -> None:
         if bad is not None:
             raise TypeError(
                 f"checkpoint.save: {bad}: extra holds tensors and plain Python data (None, bool, "
-                "int, float, str, bytes, and lists, tuples and dicts of those), which load "
-                "without running code from the file. Convert it (a NumPy array with "
-                "torch.from_numpy, an object to a dict of its fields)"
+                "int, float, str, bytes, and lists, tuples and dicts of those, OrderedDict and "
+                "Counter too), which load without running code from the file. Convert it (a "
+                "NumPy array with torch.from_numpy, an object to a dict of its fields)"
             )
 
 
 def _not_plain(value: Any, where: str) -> str | None:
     if isinstance(value, torch.Tensor) or type(value) in _PLAIN:
         return None
-    if type(value) in (list, tuple):
+    if type(value) in _SEQUENCES:
         for i, item in enumerate(value):
             bad = _not_plain(item, f"{where}[{i}]")
             if bad is not None:
                 return bad
         return None
-    if type(value) is dict:
+    if type(value) in _MAPPINGS:
         for k, item in value.items():
             if type(k) not in _PLAIN:
                 return f"{where} has a key of type {type(k).__name__}"
@@ -135,15 +143,40 @@ def _not_plain(value: Any, where: str) -> str | None:
     return f"{where} is a {type(value).__module__}.{type(value).__qualname__}"
 
 
+def empty_like(mapping: Mapping[Any, Any]) -> dict[Any, Any]:
+    """An empty mapping of `mapping`'s type where it is one `extra` may hold
+    (so that it loads weights-only), else an empty dict."""
+    if type(mapping) is collections.OrderedDict:
+        return collections.OrderedDict()
+    if type(mapping) is collections.Counter:
+        return collections.Counter()
+    return {}
+
+
 def digest_extra(extra: Mapping[str, Any] | None) -> dict[str, list[str]]:
     """Per key of `extra` except `per_rank`: an exact fingerprint of its
     value and a short display, to compare between ranks."""
-    out = {}
-    for key, value in (extra or {}).items():
-        if key != PER_RANK:
-            text = json.dumps(_canonical(value), sort_keys=True)
-            out[key] = [f"{zlib.crc32(text.encode()):08x}:{len(text)}", _show.repr(value)]
-    return out
+    return {key: _digest(value) for key, value in (extra or {}).items() if key != PER_RANK}
+
+
+def digest_groups(groups: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Per optimizer parameter group (as `get_state_dict` lists them): the
+    names of its parameters and a digest of each setting."""
+    if groups is None:
+        return None
+    return [
+        {
+            "params": [str(name) for name in group.get("params", [])],
+            "settings": {k: _digest(v) for k, v in group.items() if k != "params"},
+        }
+        for group in groups
+    ]
+
+
+def _digest(value: Any) -> list[str]:
+    """An exact fingerprint of `value` and a short display of it."""
+    text = json.dumps(_canonical(value), sort_keys=True, default=repr)
+    return [f"{zlib.crc32(text.encode()):08x}:{len(text)}", _show.repr(value)]
 
 
 def _canonical(value: Any) -> Any:

@@ -7,7 +7,15 @@ wrote: an existing directory that is a complete checkpoint of this package
 or an empty directory. Anything else at the path (another directory, a file,
 a symbolic link, the working directory or one above it) is refused before a
 byte is written. The old checkpoint is renamed aside, the new one renamed
-into place, and the old one removed last, file by file from its manifest.
+into place, and the old one removed last: the regular files found in it that
+its manifest lists, and nothing else. At any moment the path is absent (for
+an instant between the two renames), the old complete checkpoint, or the new
+complete one.
+
+A manifest is not trusted to name paths: one that names anything but a plain
+file name is refused (storage.parse_manifest), and a manifest's names are
+only ever compared with the names a directory listing found, never joined
+onto a path.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from .storage import MANIFEST, METADATA, read_manifest
+from .storage import MANIFEST, METADATA, ManifestError, parse_manifest
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -32,23 +40,40 @@ class Target:
     created: tuple[Path, ...]  # missing parents the save creates, outermost first
 
 
-def _written_by_us(directory: Path) -> str | None:
+_MOVE_IT = (
+    "save replaces only a checkpoint it wrote: save to a new path inside it (e.g. "
+    "'ckpt/step-100'), or move what it holds yourself"
+)
+
+
+def _written_by_us(directory: Path) -> tuple[str, str] | None:
     """None where `directory` may be replaced (a complete checkpoint of ours,
-    or empty); else what it holds that a save did not write."""
+    or empty); else why not (what it holds that a save did not write) and
+    what to do instead."""
     entries = sorted(os.scandir(directory), key=lambda e: e.name)
     if not entries:
         return None
     names = {e.name for e in entries}
+    if METADATA in names and MANIFEST not in names:
+        return (
+            f"it is a DCP checkpoint without a torchmpmd manifest ({MANIFEST}): written by an "
+            "older torchmpmd or by dcp.save, it does not say which files are its own",
+            "save does not replace it: delete it yourself if it is no longer needed, or save "
+            "to a new path",
+        )
     if METADATA not in names or MANIFEST not in names:
         shown = [e.name + ("/" if e.is_dir(follow_symlinks=False) else "") for e in entries]
         listing = ", ".join(shown[:5]) + (f" and {len(shown) - 5} more" if len(shown) > 5 else "")
-        return f"it is not a torchmpmd checkpoint (it holds {listing})"
+        return f"it is not a torchmpmd checkpoint (it holds {listing})", _MOVE_IT
     try:
-        manifest = read_manifest(directory)
-    except Exception as err:
-        return f"its {MANIFEST} cannot be read ({err})"
-    if manifest is None:  # removed meanwhile
-        return f"its {MANIFEST} is gone"
+        manifest = parse_manifest((directory / MANIFEST).read_bytes())
+    except (OSError, ManifestError) as err:
+        return (
+            f"its manifest {directory / MANIFEST} cannot be trusted to say what the checkpoint "
+            f"wrote ({err})",
+            "save does not replace it: delete the checkpoint yourself if it is no longer "
+            "needed, or save to a new path",
+        )
     ours = {METADATA, MANIFEST, *manifest["files"]}
     foreign = [
         e.name + ("/" if e.is_dir(follow_symlinks=False) else "")
@@ -56,7 +81,7 @@ def _written_by_us(directory: Path) -> str | None:
         if e.name not in ours or not e.is_file(follow_symlinks=False)
     ]
     if foreign:
-        return f"it holds {', '.join(foreign[:5])}, which the checkpoint did not write"
+        return f"it holds {', '.join(foreign[:5])}, which the checkpoint did not write", _MOVE_IT
     return None
 
 
@@ -94,13 +119,10 @@ def plan(path: str | os.PathLike[str]) -> Target:
             raise ValueError(
                 f"checkpoint.save: {shown} is a mount point; save into a directory inside it"
             )
-        why = _written_by_us(target)
-        if why is not None:
-            raise FileExistsError(
-                f"checkpoint.save: {shown} exists and {why}. save replaces only a checkpoint it "
-                "wrote: save to a new path inside it (e.g. 'ckpt/step-100'), or move what it "
-                "holds yourself"
-            )
+        refused = _written_by_us(target)
+        if refused is not None:
+            why, instead = refused
+            raise FileExistsError(f"checkpoint.save: {shown} exists and {why}. {instead}")
     missing: list[Path] = []
     parent = target.parent
     while not os.path.lexists(parent):
@@ -123,20 +145,23 @@ def commit(target: Target) -> None:
     """Puts the written staging directory in place of `target.path` (rank
     0, after every rank wrote). An existing checkpoint is renamed aside
     first and removed last; raises, leaving it in place, if it is no longer
-    one this package may replace."""
+    one this package may replace. Once the new checkpoint is in place, a
+    failure to remove the old one is a warning, not an error."""
     path, staging = target.path, target.staging
     if not os.path.lexists(path):
         # rename(2) replaces at most an empty directory made meanwhile.
         os.rename(staging, path)
         _sync_dir(path.parent)
         return
-    why = (
-        _written_by_us(path) if path.is_dir() and not path.is_symlink() else "it is not a directory"
+    refused = (
+        _written_by_us(path)
+        if path.is_dir() and not path.is_symlink()
+        else ("it is not a directory", "")
     )
-    if why is not None:
+    if refused is not None:
         raise FileExistsError(
-            f"checkpoint.save: {path} changed while saving and {why}; the new checkpoint is "
-            f"left in {staging}"
+            f"checkpoint.save: {path} changed while saving and {refused[0]}; the new "
+            f"checkpoint is left in {staging}"
         )
     old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
     os.rename(path, old)
@@ -146,7 +171,15 @@ def commit(target: Target) -> None:
         os.rename(old, path)
         raise
     _sync_dir(path.parent)
-    _remove_checkpoint(old)
+    try:
+        _remove_checkpoint(old)
+    except Exception as err:  # the new checkpoint is complete and in place
+        warnings.warn(
+            f"checkpoint.save: the replaced checkpoint, renamed to {old}, could not be removed "
+            f"({type(err).__name__}: {err}); the new one is in place at {path}. Remove {old} "
+            "yourself",
+            stacklevel=3,
+        )
 
 
 def abandon(target: Target) -> None:
@@ -161,20 +194,36 @@ def abandon(target: Target) -> None:
 
 
 def _remove_checkpoint(directory: Path) -> None:
-    """Deletes a checkpoint this package wrote, only the files its manifest
-    lists: anything else found in it is left, with a warning."""
-    manifest = read_manifest(directory) if (directory / MANIFEST).exists() else None
-    listed = [*(manifest["files"] if manifest else []), METADATA, MANIFEST]
-    for name in listed:
+    """Deletes a checkpoint this package wrote: the regular files (not links,
+    not directories) found in it that its manifest lists, the manifest last.
+    Anything else is left, with a warning; a manifest that cannot be read
+    leaves everything. Raises OSError where a listed file cannot be deleted."""
+    try:
+        listed = {*parse_manifest((directory / MANIFEST).read_bytes())["files"], METADATA}
+    except (OSError, ManifestError) as err:
+        warnings.warn(
+            f"checkpoint.save: the replaced checkpoint, renamed to {directory}, was left there: "
+            f"its manifest cannot be read now ({err})",
+            stacklevel=4,
+        )
+        return
+    found = [
+        entry
+        for entry in os.scandir(directory)
+        if entry.is_file(follow_symlinks=False) and entry.name in {*listed, MANIFEST}
+    ]
+    for entry in sorted(found, key=lambda e: e.name == MANIFEST):
+        # entry.path joins the name the listing found, not the manifest's.
         with contextlib.suppress(FileNotFoundError):
-            (directory / name).unlink()
+            os.unlink(entry.path)
     try:
         directory.rmdir()
     except OSError:
+        left = sorted(os.listdir(directory))
         warnings.warn(
             f"checkpoint.save: the replaced checkpoint, renamed to {directory}, holds files it "
-            "did not write; they were left there",
-            stacklevel=3,
+            f"did not write ({', '.join(left[:5])}); they were left there",
+            stacklevel=4,
         )
 
 

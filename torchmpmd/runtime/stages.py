@@ -10,6 +10,7 @@ the runner.
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -128,13 +129,21 @@ class LocalStages:
             context_fn, preserve_rng_state = checkpoint_rng(
                 selective_recompute_context, self.device
             )
-            return torch.utils.checkpoint.checkpoint(
-                self._calls[stage],
-                *args,
-                use_reentrant=False,
-                context_fn=context_fn,
-                preserve_rng_state=preserve_rng_state,
-            )
+            try:
+                return torch.utils.checkpoint.checkpoint(
+                    self._calls[stage],
+                    *args,
+                    use_reentrant=False,
+                    context_fn=context_fn,
+                    preserve_rng_state=preserve_rng_state,
+                )
+            except BaseException as err:
+                # torch < 2.13 leaves the checkpoint's contexts (saved-tensor
+                # hooks, selective caching) entered when the forward raises,
+                # until the traceback holding its frame goes: drop the
+                # frames' locals so they exit now.
+                traceback.clear_frames(err.__traceback__)
+                raise
         return self._calls[stage](*args)
 
     def sends_and_loss(
