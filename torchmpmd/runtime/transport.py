@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -97,10 +98,7 @@ def send(
     """`transport.send`, failing with an error that names the peer (as
     `peer_name`, default "rank <peer>") and `what` was being exchanged (e.g.
     "the check-in of call 3 (step)")."""
-    try:
-        transport.send(tensor, peer, tag, timeout)
-    except TransportError as err:
-        raise naming_peer(transport, err, peer_name or f"rank {peer}", what, timeout) from None
+    _naming(transport.send, transport, tensor, peer, tag, timeout, what, peer_name)
 
 
 def recv(
@@ -113,8 +111,21 @@ def recv(
     peer_name: str | None = None,
 ) -> None:
     """`transport.recv`, failing like `send`."""
+    _naming(transport.recv, transport, tensor, peer, tag, timeout, what, peer_name)
+
+
+def _naming(
+    op: Callable[[torch.Tensor, int, int, float], None],
+    transport: Transport,
+    tensor: torch.Tensor,
+    peer: int,
+    tag: int,
+    timeout: float,
+    what: str,
+    peer_name: str | None,
+) -> None:
     try:
-        transport.recv(tensor, peer, tag, timeout)
+        op(tensor, peer, tag, timeout)
     except TransportError as err:
         raise naming_peer(transport, err, peer_name or f"rank {peer}", what, timeout) from None
 
