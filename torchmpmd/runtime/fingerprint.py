@@ -6,6 +6,7 @@ batch of each step (`batch_print`: shapes and a sample of values).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import zlib
@@ -33,6 +34,7 @@ FIELDS = (
 )
 
 
+@functools.lru_cache(maxsize=1024)  # a step's texts repeat from step to step
 def stable_hash(text: str) -> int:
     """A hash of `text` equal in every process (56 bits: an int64)."""
     # Object addresses (a function's repr in a graph) differ between processes.
