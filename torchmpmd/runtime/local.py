@@ -26,8 +26,9 @@ import torch
 
 from ..graph.pipe import Pipe
 from ..schedule.task import Schedule, require_schedule
+from .checks import require_pipe
 from .rank_rng import RankGenerators
-from .runner import PipelineRunner, StepOutput, require_pipe
+from .runner import PipelineRunner, StepOutput
 from .transport import LocalWorld
 
 __all__ = ["LocalPipeline"]
