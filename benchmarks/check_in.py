@@ -53,7 +53,7 @@ def main() -> None:
     def checkins(with_batch: bool) -> float:
         start = time.perf_counter()
         for _ in range(args.calls):
-            with runner._exchanging("eval_step", batch=fingerprint if with_batch else None):
+            with runner._collective.call("eval_step", batch=fingerprint if with_batch else None):
                 pass
         return (time.perf_counter() - start) / args.calls
 

@@ -48,7 +48,10 @@ def _runner(mib: int) -> mpmd.PipelineRunner:
     model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
     pipe = mpmd.trace(model, (torch.randn(2, width),))
     return mpmd.PipelineRunner(
-        pipe, mpmd.schedules.GPipe(1), loss_fn=lambda out, y: out.square().mean(), timeout=60
+        pipe,
+        mpmd.schedules.GPipe(1),
+        loss_fn=lambda out, y: out.square().mean(),
+        options=mpmd.RunnerOptions(timeout=60),
     )
 
 

@@ -17,7 +17,12 @@ import torch.distributed as dist
 
 
 def launch(main: Callable[[], None], nproc: int = 2) -> None:
+    """Runs `main` on `nproc` ranks (under torchrun), each with torchmpmd's CPU
+    policies set (`mpmd.tune_cpu()`: the README's figures are taken with it)."""
     if "RANK" in os.environ:
+        import torchmpmd as mpmd
+
+        mpmd.tune_cpu()
         main()
         return
     from torch.distributed.run import main as torchrun

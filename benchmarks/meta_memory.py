@@ -75,7 +75,7 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, queue: mp
         pipe,
         mpmd.schedules.OneFOneB(2),
         loss_fn=lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()),
-        timeout=600,
+        options=mpmd.RunnerOptions(timeout=600),
     )
     torch.manual_seed(rank)
     runner.init_weights(GPT.init_weights)

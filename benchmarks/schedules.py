@@ -129,7 +129,9 @@ def main() -> None:
         torch.manual_seed(0)
         model = GPT(cfg)
         pipe = mpmd.trace(model, (example,), split_before=split_points(cfg, world * per_rank))
-        return mpmd.PipelineRunner(pipe, cls(m), loss_fn=lm_loss, **options)
+        return mpmd.PipelineRunner(
+            pipe, cls(m), loss_fn=lm_loss, options=mpmd.RunnerOptions(**options)
+        )
 
     runners = {name: runner_for(name) for name in names}
 

@@ -6,8 +6,8 @@ rank), timed from the runtime's own timeline, side by side in one run.
     python benchmarks/split_backward_order.py
     python benchmarks/split_backward_order.py --keep-freed-memory off
 
-With `--keep-freed-memory off` the runner leaves glibc's adaptive malloc
-thresholds alone: I + W then pays page faults that B does not
+With `--keep-freed-memory off` the script does not call `mpmd.tune_cpu()`,
+so glibc's adaptive malloc thresholds stay: I + W then pays page faults that B does not
 (docs/architecture.md, "Split backward inside the runtime").
 """
 
@@ -67,6 +67,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--keep-freed-memory", choices=("on", "off"), default="on")
     args = p.parse_args()
+    if args.keep_freed_memory == "on":
+        mpmd.tune_cpu(gloo_sched_batch=False)  # one rank: no Gloo threads to tune
     torch.set_num_threads(1)
     cfg = GPTConfig(seq_len=128, dim=192, layers=4)
     m, b = args.microbatches, args.microbatch_size
@@ -84,7 +86,6 @@ def main() -> None:
             LastStageOrder(m, kind),
             transport=LocalWorld(1).transport(0),
             loss_fn=lm_loss,
-            keep_freed_memory=args.keep_freed_memory == "on",
         )
     means: dict[tuple[str, str], list[float]] = defaultdict(list)
     for i in range(3 + args.steps):

@@ -112,6 +112,12 @@ def main() -> None:
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if use_cuda else "gloo")
+    if not use_cuda:
+        # Process-wide CPU policies for pipelines over Gloo (what it changes:
+        # torchmpmd.runtime.tune, or print(tuning)).
+        tuning = mpmd.tune_cpu()
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"tune_cpu: malloc {tuning.malloc}; Gloo threads {tuning.gloo_threads}")
     rank, world = dist.get_rank(), dist.get_world_size()
     # One write (atomic on a pipe), so that ranks' lines never interleave.
     sys.stdout.write(f"rank {rank} pid {os.getpid()}\n")
@@ -148,10 +154,11 @@ def main() -> None:
         pipe,
         schedule,
         mesh=mesh,
-        data_parallel=args.data_parallel if args.dp > 1 else None,
         device=device,
         loss_fn=lm_loss,
-        timeout=args.timeout,
+        options=mpmd.RunnerOptions(
+            data_parallel=args.data_parallel if args.dp > 1 else None, timeout=args.timeout
+        ),
     )
     if args.meta_init:
         # The same weights on every data-parallel replica of a pipeline rank.

@@ -15,7 +15,7 @@ import torch  # noqa: F401  (loads libtorch before the native core)
 from . import _C, checkpoint, schedules, viz
 from .graph import Pipe, from_stages, mark_stage_end, trace
 from .graph.balance import Balance, balance
-from .runtime import PipelineRunner, StepOutput
+from .runtime import CpuTuning, PipelineRunner, RunnerOptions, StepOutput, tune_cpu
 from .schedule import Costs, Program, Schedule, Task, Timeline, TimelineEvent, compile_schedule
 
 # A step failed: a peer died or stalled, a task raised, or a microbatch did not
@@ -26,10 +26,12 @@ PipelineError.__module__ = "torchmpmd"
 __all__ = [
     "Balance",
     "Costs",
+    "CpuTuning",
     "Pipe",
     "PipelineError",
     "PipelineRunner",
     "Program",
+    "RunnerOptions",
     "Schedule",
     "StepOutput",
     "Task",
@@ -42,6 +44,7 @@ __all__ = [
     "mark_stage_end",
     "schedules",
     "trace",
+    "tune_cpu",
     "viz",
 ]
 

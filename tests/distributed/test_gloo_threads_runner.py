@@ -1,8 +1,8 @@
-"""A PipelineRunner over Gloo runs Gloo's event-loop threads under
-SCHED_BATCH while it lives (`gloo_sched_batch`, on by default) and gives them
-their normal policy back once it is collected; False, or a transport of the
-user's own, leaves them alone. Training is unchanged: the losses equal the
-unpipelined model's."""
+"""`mpmd.tune_cpu()` runs Gloo's event-loop threads under SCHED_BATCH until
+its `release()` and gives them their normal policy back then; a runner by
+itself changes nothing in the process (it used to, behind its construction:
+`gloo_sched_batch`, on by default). Training is unchanged: the losses equal
+the unpipelined model's."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from harness import check_all, run_ranks
 from pipeline_check import MLP, mlp_memory_case, square_loss
 
 import torchmpmd as mpmd
-from torchmpmd.runtime import C10dTransport, gloo_threads
+from torchmpmd.runtime import gloo_threads
 
 M, WIDTH, DEPTH, BATCH = 4, 16, 4, 16
 
@@ -25,45 +25,34 @@ def policies(rank, world):
     tids = gloo_threads.loop_threads()
     seen = {}
     seen["before"] = {os.sched_getscheduler(t) for t in tids}
-    runner = mpmd.PipelineRunner(pipe, mpmd.schedules.OneFOneB(M), loss_fn=square_loss, timeout=60)
+    runner = mpmd.PipelineRunner(pipe, mpmd.schedules.OneFOneB(M), loss_fn=square_loss)
+    runner.step(x, target=y)
+    seen["runner alone"] = {os.sched_getscheduler(t) for t in tids}
+    tuning = mpmd.tune_cpu(keep_freed_memory=False)
     loss = runner.step(x, target=y).loss
-    seen["running"] = {os.sched_getscheduler(t) for t in tids}
+    seen["tuned"] = {os.sched_getscheduler(t) for t in tids}
+    tuning.release()
+    seen["released"] = {os.sched_getscheduler(t) for t in tids}
     del runner
     gc.collect()
-    seen["after"] = {os.sched_getscheduler(t) for t in tids}
-    runner = mpmd.PipelineRunner(
-        pipe, mpmd.schedules.OneFOneB(M), loss_fn=square_loss, timeout=60, gloo_sched_batch=False
-    )
-    runner.step(x, target=y)
-    seen["opted out"] = {os.sched_getscheduler(t) for t in tids}
-    del runner
-    runner = mpmd.PipelineRunner(
-        pipe,
-        mpmd.schedules.OneFOneB(M),
-        loss_fn=square_loss,
-        timeout=60,
-        transport=C10dTransport(dist.group.WORLD),
-    )
-    runner.step(x, target=y)
-    seen["own transport"] = {os.sched_getscheduler(t) for t in tids}
     # The unpipelined model (mlp_memory_case's seed) over the same microbatches.
     torch.manual_seed(0)
     model = MLP(WIDTH, DEPTH).double()
     ref = sum(square_loss(model(a), b) for a, b in zip(x.chunk(M), y.chunk(M), strict=True)) / M
-    return len(tids), seen, float(loss), float(ref)
+    return len(tids), seen, float(loss), float(ref), tuning.gloo_threads
 
 
-def test_runner_batches_gloo_loop_threads_while_it_lives():
-    for count, seen, loss, ref in check_all(run_ranks(policies, 2, deadline=120)):
+def test_tune_cpu_batches_gloo_loop_threads_until_released():
+    for count, seen, loss, ref, said in check_all(run_ranks(policies, 2, deadline=120)):
         assert count >= 1
         assert seen == {
             "before": {os.SCHED_OTHER},
-            "running": {os.SCHED_BATCH},
-            "after": {os.SCHED_OTHER},
-            "opted out": {os.SCHED_OTHER},
-            "own transport": {os.SCHED_OTHER},
+            "runner alone": {os.SCHED_OTHER},
+            "tuned": {os.SCHED_BATCH},
+            "released": {os.SCHED_OTHER},
         }
         assert abs(loss - ref) <= 1e-12 * abs(ref)
+        assert said.startswith("SCHED_BATCH for Gloo's loop threads"), said
 
 
 def default_backend(rank, world, store):
@@ -72,9 +61,11 @@ def default_backend(rank, world, store):
     dist.destroy_process_group()
     dist.init_process_group(init_method=f"file://{store}", rank=rank, world_size=world)
     pipe, x, y, _ = mlp_memory_case(WIDTH, DEPTH, BATCH, M)
-    runner = mpmd.PipelineRunner(pipe, mpmd.schedules.OneFOneB(M), loss_fn=square_loss, timeout=60)
+    tuning = mpmd.tune_cpu(keep_freed_memory=False)
+    runner = mpmd.PipelineRunner(pipe, mpmd.schedules.OneFOneB(M), loss_fn=square_loss)
     loss = runner.step(x, target=y).loss
     running = {os.sched_getscheduler(t) for t in gloo_threads.loop_threads()}
+    tuning.release()
     torch.manual_seed(0)
     model = MLP(WIDTH, DEPTH).double()
     ref = sum(square_loss(model(a), b) for a, b in zip(x.chunk(M), y.chunk(M), strict=True)) / M

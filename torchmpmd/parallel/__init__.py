@@ -4,6 +4,7 @@
 last backward)."""
 
 from .fsdp import Shard
+from .protocol import StageParallelism, wrap
 from .replicate import Replicate
 
-__all__ = ["Replicate", "Shard"]
+__all__ = ["Replicate", "Shard", "StageParallelism", "wrap"]

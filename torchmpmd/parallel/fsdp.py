@@ -39,6 +39,9 @@ Parallelize = Callable[[torch.nn.Module, DeviceMesh], object]
 class Shard:
     """FSDP2 over `dp_mesh` for this rank's stages (see the module docstring)."""
 
+    # Each compiled pipe would need sharded modules of its own.
+    allows_new_shapes = False
+
     def __init__(
         self,
         dp_mesh: DeviceMesh,
@@ -117,3 +120,7 @@ class Shard:
         """Reshards every local stage (after a step that did not finish)."""
         for module in self._stages.values():
             module.reshard()
+
+    def after_eval(self) -> None:
+        """The forward gathered the stages: shards between uses."""
+        self.reshard()

@@ -46,6 +46,8 @@ class _Bucket:
 class Replicate:
     """Averages the gradients of this rank's stages over `group`."""
 
+    allows_new_shapes = True
+
     def __init__(
         self,
         group: dist.ProcessGroup,
@@ -71,6 +73,9 @@ class Replicate:
 
     def start_step(self) -> None:
         self._buckets = []
+
+    def after_eval(self) -> None:
+        """Nothing: the replicas hold whole stages."""
 
     def stage_done(self, stage: int) -> None:
         """Starts averaging `stage`'s gradients (all of this step's are final)."""

@@ -32,7 +32,8 @@ def require_pipe(pipe: object, who: str) -> None:
         )
 
 
-def check_options(timeout: Any, compile: Any, max_early_recvs: Any) -> None:
+def check_options(timeout: Any, compile: Any, max_early_recvs: Any) -> float:
+    """The runner's options checked; returns the timeout in seconds."""
     seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
     if (
         not isinstance(seconds, (int, float))
@@ -53,6 +54,7 @@ def check_options(timeout: Any, compile: Any, max_early_recvs: Any) -> None:
         raise ValueError(
             f"PipelineRunner: max_early_recvs must be a non-negative int, got {max_early_recvs!r}"
         )
+    return float(seconds)
 
 
 def recompute_policy(

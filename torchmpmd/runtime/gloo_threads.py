@@ -27,7 +27,7 @@ import os
 import threading
 import time
 
-__all__ = ["BatchHold", "loop_threads"]
+__all__ = ["BatchHold", "cover", "loop_threads"]
 
 LOOP_THREAD_NAME = "gloo_tcp_loop"
 # A new thread carries its creator's name until it names itself (a loop
@@ -87,27 +87,9 @@ class BatchHold:
         """Sets loop threads not yet under SCHED_BATCH to it. A thread's name
         is read only until it is known (`SETTLE_S`), so a call costs a
         directory listing and the reads of new threads."""
-        if not hasattr(os, "sched_setscheduler"):
-            return
         with _lock:
-            if self._released or self._generation != _generation:
-                return
-            tids = _thread_ids()
-            _settled.intersection_update(tids)  # forget exited threads
-            for tid in list(_first_seen):
-                if tid not in tids:
-                    del _first_seen[tid]
-            now = time.monotonic()
-            for tid in tids - _settled:
-                name = _name(tid)
-                if name == LOOP_THREAD_NAME:
-                    if _set_policy(tid, os.SCHED_OTHER, os.SCHED_BATCH):
-                        _changed.add(tid)
-                    _settled.add(tid)
-                    _first_seen.pop(tid, None)
-                elif now - _first_seen.setdefault(tid, now) >= SETTLE_S:
-                    _settled.add(tid)
-                    del _first_seen[tid]
+            if not self._released and self._generation == _generation:
+                _cover()
 
     def release(self) -> None:
         global _holders
@@ -126,6 +108,36 @@ class BatchHold:
             _changed.clear()
             _first_seen.clear()
             _settled.clear()
+
+
+def cover() -> None:
+    """While any hold is active (`mpmd.tune_cpu()`), sets the loop threads
+    made since to SCHED_BATCH; else nothing (a lock and a check)."""
+    with _lock:
+        if _holders > 0:
+            _cover()
+
+
+def _cover() -> None:
+    """Under `_lock`: loop threads not yet under SCHED_BATCH are set to it."""
+    if not hasattr(os, "sched_setscheduler"):
+        return
+    tids = _thread_ids()
+    _settled.intersection_update(tids)  # forget exited threads
+    for tid in list(_first_seen):
+        if tid not in tids:
+            del _first_seen[tid]
+    now = time.monotonic()
+    for tid in tids - _settled:
+        name = _name(tid)
+        if name == LOOP_THREAD_NAME:
+            if _set_policy(tid, os.SCHED_OTHER, os.SCHED_BATCH):
+                _changed.add(tid)
+            _settled.add(tid)
+            _first_seen.pop(tid, None)
+        elif now - _first_seen.setdefault(tid, now) >= SETTLE_S:
+            _settled.add(tid)
+            del _first_seen[tid]
 
 
 def _thread_ids() -> set[int]:

@@ -27,27 +27,48 @@ import torch
 from ..graph.pipe import Pipe
 from ..schedule.task import Schedule, require_schedule
 from .checks import require_pipe
+from .options import RunnerOptions
 from .rank_rng import RankGenerators
 from .runner import PipelineRunner, StepOutput
+from .stages import LossFn
 from .transport import LocalWorld
 
 __all__ = ["LocalPipeline"]
 
 
 class LocalPipeline:
-    """`num_ranks` PipelineRunners in threads of this process."""
+    """`num_ranks` PipelineRunners in threads of this process. `loss_fn` and
+    `device` are the runners'; the other keywords are `RunnerOptions`
+    fields (or pass `options=`), for short test set-ups."""
 
     def __init__(
-        self, pipe: Pipe, schedule: Schedule, num_ranks: int, **runner_kwargs: Any
+        self,
+        pipe: Pipe,
+        schedule: Schedule,
+        num_ranks: int,
+        *,
+        loss_fn: LossFn | None = None,
+        device: torch.device | str | None = None,
+        options: RunnerOptions | None = None,
+        **knobs: Any,
     ) -> None:
         require_pipe(pipe, "LocalPipeline")
         require_schedule(schedule, "LocalPipeline")
+        if knobs:
+            if options is not None:
+                raise TypeError("LocalPipeline: pass options= or RunnerOptions fields, not both")
+            options = RunnerOptions(**knobs)
         self.world = LocalWorld(num_ranks)
         self._rng = RankGenerators(num_ranks)
         self.pipes = [pipe.replicate() for _ in range(num_ranks)]
         self.runners = [
             PipelineRunner(
-                self.pipes[r], schedule, transport=self.world.transport(r), **runner_kwargs
+                self.pipes[r],
+                schedule,
+                transport=self.world.transport(r),
+                loss_fn=loss_fn,
+                device=device,
+                options=options,
             )
             for r in range(num_ranks)
         ]

@@ -1,0 +1,271 @@
+"""This rank's side of a runner's collective calls, and what happens when
+one fails.
+
+Every call of a `PipelineRunner` that exchanges messages runs inside
+`Collective.call`: the transports are armed (watching for another rank's
+failure, which then ends this rank's waits at once, naming it), the call
+checks in with its neighbours (`checkin.py`: the same call, options and
+batch on every rank of the pipeline, the same call on every data-parallel
+replica), and a failure here is posted to every group this rank talks to,
+so nobody waits out its timeout for a rank that already gave up. A runner
+whose call failed (here or on a peer) refuses every later call
+(`refuse_if_failed`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from .. import _C
+from . import gloo_threads
+from .checkin import Call, check_in
+from .failures import first_line
+from .fingerprint import BatchPrint
+from .transport import FailureBoard, Transport, TransportError, c10d_transport
+
+__all__: list[str] = []
+
+PipelineError = _C.runtime.PipelineError
+
+
+class Collective:
+    """The transports of one runner (the pipeline group's, and the
+    data-parallel group's if any) and the state of its collective calls.
+    Not thread-safe: one runner, one thread."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        board: FailureBoard | None,
+        *,
+        dp_group: dist.ProcessGroup | None,
+        own_transport: bool,
+        timeout: float,
+        device: torch.device,
+        describe_job: Callable[[], list[str]],
+    ) -> None:
+        self.transport = transport
+        self.rank: int = transport.rank
+        self.timeout = timeout
+        self._board = board
+        self._device = device
+        self._describe_job = describe_job
+        self.dp_group = dp_group
+        # The replicas check in over their own group: they must make the
+        # same calls (each steps on its own shard).
+        self._dp_transport: Transport | None = None
+        self._dp_board: FailureBoard | None = None
+        if dp_group is not None:
+            self._dp_transport, self._dp_board = c10d_transport(dp_group)
+        # This rank in messages: its pipeline rank, and its global rank where
+        # that differs (a mesh).
+        self.name = f"rank {self.rank}"
+        if not own_transport and dist.get_rank() != self.rank:
+            self.name += f" (global rank {dist.get_rank()})"
+        self.first_done = False  # the first call (the same-job check) is done
+        # Run right after the check-in of the first call other than
+        # init_weights / load_state_dict (which make the ties equal anyway).
+        self.first_call_hook: Callable[[], None] | None = None
+        # Collective calls that reached their check-in.
+        self.calls = 0
+        # Whether the last call exchanged messages with the peers (after that,
+        # a failure may leave messages in flight); testing.LocalPipeline reads it.
+        self.communicated = False
+        # Whether the last failed call failed here first (not because a
+        # peer's failure aborted it).
+        self.failed_first = False
+
+    def _transports(self) -> list[tuple[Transport, FailureBoard | None]]:
+        pairs = [(self.transport, self._board)]
+        if self._dp_transport is not None:
+            pairs.append((self._dp_transport, self._dp_board))
+        return pairs
+
+    @contextlib.contextmanager
+    def call(
+        self, kind: str, *, options: str = "", batch: BatchPrint | None = None
+    ) -> Iterator[None]:
+        """Runs the block as collective call `kind`: checks in, watches for
+        a peer's failure, tells the peers of one here (a KeyboardInterrupt
+        stays one)."""
+        self.refuse_if_failed()
+        self.calls += 1
+        self.communicated = True
+        for t, _ in self._transports():
+            t.arm()
+        try:
+            was_first = not self.first_done
+            self._check_in(Call(self.calls, kind, options, batch))
+            hook = self.first_call_hook
+            if was_first and hook is not None and kind not in ("init_weights", "load_state_dict"):
+                hook()
+            yield
+        except BaseException as err:
+            self._failed(kind, err)
+            raise
+        finally:
+            for t, _ in self._transports():
+                t.disarm()
+
+    def _failed(self, kind: str, err: BaseException) -> None:
+        """Posts this rank's failure in call `kind`; raises what the caller
+        is to see instead of `err`, if anything (returns to re-raise `err`)."""
+        reason = self.abort_reason()
+        if reason is None and isinstance(err, (TransportError, PipelineError)):
+            # A peer may have posted its failure before this rank's watch saw
+            # it (and then exited, closing its connections): its reason is
+            # the cause.
+            reason = next((b.peek() for _, b in self._transports() if b is not None), None)
+            if reason is not None and type(err) is PipelineError:
+                self.failed_first = False
+                failed = PipelineError(f"{err}. The cause, posted before: {reason}")
+                self._fail(f"{self.name} failed in {kind}: {failed}")
+                raise failed from err
+        # First to fail, or failing because a peer did?
+        self.failed_first = reason is None
+        if not isinstance(err, TransportError):
+            self._fail(f"{self.name} failed in {kind}: {first_line(err)}")
+            return
+        failed = PipelineError(self._outside_executor(kind, err, reason))
+        self._fail(f"{self.name} failed in {kind}: {failed}")
+        raise failed from err
+
+    def abort_reason(self) -> str | None:
+        return next((r for t, _ in self._transports() if (r := t.abort_reason) is not None), None)
+
+    def _fail(self, reason: str) -> None:
+        """Tells every group this rank talks to that it failed."""
+        for t, _ in self._transports():
+            t.fail(reason)
+
+    def _outside_executor(self, kind: str, err: Exception, reason: str | None) -> str:
+        """A failed exchange outside the executor (the check-in, results
+        shared at the end of a step, a collective), with this rank's context,
+        as the executor gives."""
+        if reason is not None:
+            hint = (
+                f" (this rank came to {kind} after a peer had stopped waiting for it: if it was "
+                f"busy between calls (evaluation, a checkpoint), raise the timeout, "
+                f"{self.timeout:g} s)"
+                if self._waited_for_here(reason)
+                else ""
+            )
+            return f"torchmpmd: {self.name} stopped {kind}, because {reason}{hint}"
+        return f"torchmpmd: {self.name} failed in {kind}: {err}"
+
+    def _waited_for_here(self, reason: str) -> bool:
+        """Whether a peer's failure `reason` is that it gave up waiting for this rank."""
+        names = [f"(?<!global )rank {self.rank}"]
+        if self.dp_group is not None:
+            names.append(f"global rank {dist.get_rank()}")
+        return re.search(f"(?:{'|'.join(names)}) did not answer within", reason) is not None
+
+    def refuse_if_failed(self) -> None:
+        """A runner whose call failed (here or on a peer) is not reused."""
+        reason = self.abort_reason()
+        if reason is None:
+            return
+        raise PipelineError(
+            f"torchmpmd: rank {self.rank}: this runner cannot run another step after a failed "
+            f"one ({reason}). Messages of the failed step may still be in flight on its process "
+            "group. Build a new PipelineRunner on a new process group on every rank "
+            "(torch.distributed.new_group) and load the last checkpoint (mpmd.checkpoint.load), "
+            "or let torchrun (--max-restarts) restart the job and resume from "
+            "mpmd.checkpoint.latest(dir)"
+        )
+
+    def _check_in(self, call: Call) -> None:
+        """Every rank makes the same call, with the same options and batch,
+        and at the first call was given the same job (checkin.py)."""
+        gloo_threads.cover()  # loop threads made since (mpmd.tune_cpu)
+        job = None if self.first_done else self._describe_job()
+        check_in(self.transport, self.timeout, call, self._device, job=job)
+        if self._dp_transport is not None and self.dp_group is not None:
+            group = self.dp_group
+            check_in(
+                self._dp_transport,
+                self.timeout,
+                call,
+                self._device,
+                replicas=True,
+                name=lambda r: f"global rank {dist.get_global_rank(group, r)}",
+            )
+        self.first_done = True
+
+
+def connect(
+    mesh: DeviceMesh | None, group: dist.ProcessGroup | None, transport: Transport | None
+) -> tuple[Transport, FailureBoard | None, dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """The runner's transport (the one given, or c10d over the mesh's "pp"
+    group, `group` or the world), the board its ranks post failures on, the
+    process group it runs over (None for a transport of the user's own) and
+    the data-parallel group (the mesh's "dp", if any)."""
+    dp_group = None
+    if mesh is not None:
+        group, dp_group = _mesh_groups(mesh, group, transport)
+    if transport is not None:
+        if group is not None:
+            raise ValueError("PipelineRunner: pass group or transport, not both")
+        if not isinstance(transport, Transport):
+            raise TypeError(
+                f"PipelineRunner: transport must be a torchmpmd transport, got "
+                f"{type(transport).__name__}; wrap a process group with group=..."
+            )
+        return transport, None, None, None
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "PipelineRunner: torch.distributed is not initialized; call "
+            "dist.init_process_group() first (torchrun sets up the environment)"
+        )
+    group = group if group is not None else dist.group.WORLD
+    if group is None:
+        raise RuntimeError("PipelineRunner: torch.distributed has no default process group")
+    made, board = c10d_transport(group)
+    return made, board, group, dp_group
+
+
+def _mesh_groups(
+    mesh: DeviceMesh, group: dist.ProcessGroup | None, transport: Transport | None
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+    """The pipeline and data-parallel groups of a ("pp"[, "dp"]) DeviceMesh."""
+    if group is not None or transport is not None:
+        raise ValueError("PipelineRunner: pass mesh, or group / transport, not both")
+    names = tuple(mesh.mesh_dim_names or ())
+    unknown = [n for n in names if n not in ("pp", "dp")]
+    if "pp" not in names or unknown:
+        raise ValueError(
+            f"PipelineRunner: the mesh's dimensions are named {names}; name them 'pp' "
+            "(pipeline) and 'dp' (data parallel), e.g. init_device_mesh('cpu', (2, 2), "
+            "mesh_dim_names=('pp', 'dp'))"
+        )
+    pp = mesh.get_group("pp")
+    dp = mesh.get_group("dp") if "dp" in names else None
+    return pp, dp
+
+
+def pick_device(device: torch.device | str | None, group: dist.ProcessGroup | None) -> torch.device:
+    """The runner's device: the one given (a bare "cuda": this process's
+    current GPU), else the current GPU for an NCCL group, else the CPU."""
+    if device is not None:
+        device = torch.device(device)
+        if device == torch.device("cuda"):  # no index: this process's current GPU
+            return torch.device("cuda", torch.cuda.current_device())
+        return device
+    if group is not None and "nccl" in backends(group) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def backends(group: dist.ProcessGroup | None) -> str:
+    """The group's backends by device, e.g. 'cpu:gloo,cuda:nccl': a group made
+    without naming a backend reports 'undefined' from get_backend."""
+    try:
+        return str(dist.get_backend_config(group)).lower()
+    except (AttributeError, ValueError, RuntimeError):
+        return str(dist.get_backend(group)).lower()

@@ -1,0 +1,125 @@
+"""`RunnerOptions`: the tuning knobs of a `PipelineRunner`, in one frozen,
+documented object (`PipelineRunner(pipe, schedule, loss_fn=..., options=
+mpmd.RunnerOptions(timeout=60, recompute="selective"))`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..parallel.fsdp import Parallelize
+
+__all__ = ["RunnerOptions"]
+
+Recompute = bool | str | Iterable[int] | Mapping[int, str]
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class RunnerOptions:
+    """How a `PipelineRunner` runs its schedule; every field has a default."""
+
+    timeout: float | datetime.timedelta = 300.0
+    """Seconds (or a timedelta) any wait for a peer may take before the call
+    fails on every rank, naming the peer. Set it above the longest gap
+    between two messages of one rank (the slowest stage's forward or backward
+    of a microbatch, a checkpoint save a peer waits for)."""
+
+    chunk_dims: Mapping[str, int | None] | None = None
+    """Per input name (and `"target"`), the dimension a batch is split along
+    into microbatches (default 0); None gives every microbatch the whole
+    tensor."""
+
+    recompute: Recompute = False
+    """Activation memory traded for compute, per stage: `"full"` (or True, or
+    stage indices) re-runs a stage's forward right before its backward,
+    keeping only its inputs; `"selective"` keeps matmul and attention
+    outputs and recomputes the rest; `{stage: "full" | "selective"}` chooses
+    per stage."""
+
+    split_backward: bool | str = "auto"
+    """Whether stages run their backward as input- and weight-gradient graphs
+    (I/W): `"auto"` where the schedule has I/W tasks, True for every local
+    stage, False for none (a schedule with I/W tasks then fails)."""
+
+    compile: bool | Mapping[str, Any] = False
+    """torch.compile each local stage (True, or a dict of torch.compile
+    options)."""
+
+    data_parallel: str | None = None
+    """With a mesh that has a "dp" dimension: `"replicate"` (the default
+    then: gradients averaged over dp) or `"fsdp"` (each stage sharded with
+    FSDP2 over dp)."""
+
+    parallelize: Parallelize | None = None
+    """With `data_parallel="fsdp"`: your own `fn(stage, dp_mesh)` applying
+    `fully_shard` to a stage, instead of the default one call per stage."""
+
+    bucket_bytes: int = 25 * 2**20
+    """Largest data-parallel gradient bucket (bytes): a stage's gradients go
+    out in buckets as soon as its last backward of the step is done."""
+
+    max_early_recvs: int = 64
+    """How many receives a rank posts ahead of the task that reads them."""
+
+    measure_memory: bool = False
+    """Measure, from the allocator, the bytes every local stage holds for its
+    backward (`timeline.peak_activation_bytes`, each task's held and kept
+    bytes, for `Costs.from_timeline`). Adds a lock and a map update to every
+    allocation."""
+
+
+# PipelineRunner's keyword arguments before RunnerOptions, still accepted.
+_RENAMED = {f.name for f in dataclasses.fields(RunnerOptions)}
+# Process-wide CPU policies the runner used to set: now `mpmd.tune_cpu()`.
+_TUNING = ("gloo_sched_batch", "keep_freed_memory")
+
+
+def resolve(options: RunnerOptions | None, legacy: dict[str, Any]) -> RunnerOptions:
+    """`options`, with the runner's former keyword arguments folded in (each
+    with a DeprecationWarning saying what to write instead)."""
+    if options is not None and not isinstance(options, RunnerOptions):
+        raise TypeError(
+            f"PipelineRunner: options must be an mpmd.RunnerOptions, got "
+            f"{type(options).__name__}; e.g. options=mpmd.RunnerOptions(timeout=60)"
+        )
+    unknown = sorted(set(legacy) - _RENAMED - set(_TUNING))
+    if unknown:
+        raise TypeError(
+            f"PipelineRunner got unexpected keyword arguments {unknown}; its arguments are the "
+            "pipe, the schedule, loss_fn, mesh or group / transport, device and options "
+            f"(mpmd.RunnerOptions: {sorted(_RENAMED)})"
+        )
+    tuning = {k: legacy.pop(k) for k in _TUNING if k in legacy}
+    for name, value in tuning.items():
+        warnings.warn(
+            f"PipelineRunner({name}=...) is deprecated: the runner no longer changes "
+            "process-wide policies; call mpmd.tune_cpu() once at start-up instead "
+            f"({name}={value!r} {'applies it now' if value else 'is the default now'})",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+    if tuning.get("keep_freed_memory") or tuning.get("gloo_sched_batch"):
+        from .tune import tune_cpu
+
+        tune_cpu(
+            keep_freed_memory=bool(tuning.get("keep_freed_memory")),
+            gloo_sched_batch=bool(tuning.get("gloo_sched_batch")),
+        )
+    if not legacy:
+        return options or RunnerOptions()
+    if options is not None:
+        raise TypeError(
+            f"PipelineRunner: pass the tuning knobs in options or as keywords, not both "
+            f"(got options= and {sorted(legacy)})"
+        )
+    warnings.warn(
+        f"PipelineRunner({', '.join(f'{k}=...' for k in sorted(legacy))}) is deprecated: pass "
+        f"options=mpmd.RunnerOptions({', '.join(f'{k}=...' for k in sorted(legacy))})",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return RunnerOptions(**legacy)

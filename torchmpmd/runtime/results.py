@@ -1,0 +1,172 @@
+"""What the ranks share after the schedule, and the collectives on the
+gradients and timelines: the step's losses and `eval_step`'s outputs (from
+the last stage's rank), the global gradient norm (`clip_grad_norm_`), every
+rank's measured timeline (`gather_timeline`)."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from .. import _C
+from ..graph.pipe import Pipe
+from ..schedule.timeline import Timeline, TimelineEvent
+from .checks import clip_options
+from .collective import Collective
+from .microbatch import merge
+from .transport import all_gather, broadcast
+
+__all__: list[str] = []
+
+_T = TypeVar("_T")
+
+
+def done(value: _T | None) -> _T:
+    """A per-microbatch result the executor must have filled in."""
+    if value is None:
+        raise RuntimeError("torchmpmd: a microbatch finished without its result")
+    return value
+
+
+def share_losses(
+    collective: Collective,
+    src: int,
+    losses: list[torch.Tensor | None],
+    device: torch.device,
+    dp_group: dist.ProcessGroup | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's per-microbatch losses from the last stage's rank `src`, on
+    every rank, and their mean (over every data-parallel shard's too: the
+    global batch's loss)."""
+    # float64 holds a float32 or float64 loss exactly.
+    if collective.rank == src:
+        per_mb = torch.stack([done(loss).double() for loss in losses]).to(device)
+    else:
+        per_mb = torch.empty(len(losses), dtype=torch.float64, device=device)
+    broadcast(collective.transport, per_mb, src, collective.timeout, "the step's losses")
+    loss = per_mb.mean()
+    if dp_group is not None:
+        dist.all_reduce(loss, group=dp_group)
+        loss /= dist.get_world_size(dp_group)
+    return loss, per_mb
+
+
+def share_outputs(
+    collective: Collective,
+    src: int,
+    pipes: list[Pipe],
+    outputs: list[list[Any] | None],
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """The loss rank's merged outputs, on every rank (shapes come from the
+    plans of the microbatches' pipes; `check_mergeable` passed them)."""
+    specs = [p.stage_specs[p.num_stages - 1] for p in pipes]
+    spec = specs[0]
+    out = []
+    for i, one in enumerate(spec.output_specs[spec.num_sends :]):
+        if one is None:  # refused by check_mergeable before the call
+            raise RuntimeError("torchmpmd: eval_step reached a model output of no tensor")
+        if collective.rank == src:
+            t = merge([done(o)[i] for o in outputs]).contiguous()
+        else:
+            pieces = [s.output_specs[s.num_sends + i] for s in specs]
+            rows = sum(p.shape[0] if p is not None and p.shape else 1 for p in pieces)
+            shape = (rows, *one.shape[1:]) if one.shape else (rows,)
+            t = torch.empty(shape, dtype=one.dtype, device=device)
+        what = f"the model output '{spec.output_names[spec.num_sends + i]}'"
+        broadcast(collective.transport, t, src, collective.timeout, what)
+        out.append(t)
+    return out
+
+
+@torch.no_grad()
+def clip_grad_norm(
+    collective: Collective,
+    counted: list[torch.nn.Parameter],
+    params: list[torch.nn.Parameter],
+    device: torch.device,
+    max_norm: Any,
+    norm_type: Any,
+    error_if_nonfinite: bool,
+) -> torch.Tensor:
+    """`PipelineRunner.clip_grad_norm_`: the norm over `counted` (each
+    parameter once over the pipeline), then every gradient of `params`
+    scaled."""
+    max_norm, norm_type = clip_options(max_norm, norm_type)
+    options = f"max_norm={max_norm!r}, norm_type={norm_type!r}"
+    grads = [p.grad for p in counted if p.grad is not None]
+    inf = norm_type == float("inf")
+
+    def reduce(tensors: list[torch.Tensor]) -> torch.Tensor:
+        norms = torch.stack(
+            [torch.linalg.vector_norm(t.double(), norm_type) for t in tensors]
+            or [torch.zeros((), dtype=torch.float64, device=device)]
+        )
+        return norms.max() if inf else norms.pow(norm_type).sum()
+
+    # FSDP shards (DTensor) are disjoint over dp: their part is reduced over
+    # dp too; replicated gradients are equal on every replica.
+    shards = [g.to_local() for g in grads if isinstance(g, DTensor)]
+    local = reduce([g for g in grads if not isinstance(g, DTensor)])
+    dp_group = collective.dp_group
+    with collective.call("clip_grad_norm_", options=options):
+        # After the check-in: a replica that does not clip fails the check-in
+        # instead of leaving this all-reduce waiting.
+        if shards and dp_group is not None:
+            sharded = reduce(shards).to(device)
+            op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+            dist.all_reduce(sharded, op=op, group=dp_group)
+            local = torch.maximum(local, sharded) if inf else local + sharded
+        parts = all_gather(
+            collective.transport,
+            local.reshape(1, 1).to(device),
+            collective.timeout,
+            "the gradients' norms",
+        )
+    gathered = torch.cat([part.reshape(-1) for part in parts])
+    total = gathered.max() if inf else gathered.sum().pow(1.0 / norm_type)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(
+            f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is "
+            f"{float(total)}; pass error_if_nonfinite=False to clip anyway"
+        )
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.dtype))
+    dtype = grads[0].dtype if grads else torch.float32
+    return total.to(dtype)
+
+
+def gather_timeline(
+    collective: Collective, timeline: Timeline | None, num_ranks: int, device: torch.device
+) -> Timeline:
+    """`PipelineRunner.gather_timeline`: every rank's last measured timeline."""
+    if timeline is None:
+        raise RuntimeError("gather_timeline: run a step first")
+    kinds = list(_C.schedule.TaskKind.__members__)  # measured events are tasks
+    peak = timeline.peak_activation_bytes[collective.rank]
+    # float64 holds nanosecond times and byte counts (< 2**53) exactly; the
+    # first row carries the rank's peak.
+    rows = torch.tensor(
+        [[peak, 0, 0, 0, 0, 0, 0]]
+        + [
+            [kinds.index(e.kind), e.stage, e.microbatch, e.start, e.end, e.held_bytes, e.kept_bytes]
+            for e in timeline.events
+        ],
+        dtype=torch.float64,
+        device=device,
+    )
+    with collective.call("gather_timeline"):
+        gathered = all_gather(collective.transport, rows, collective.timeout, "the timelines")
+        parts = [p.cpu().tolist() for p in gathered]
+    events = [
+        TimelineEvent(rank, kinds[int(k)], int(s), int(mb), start, end, "", int(h), int(b))
+        for rank, part in enumerate(parts)
+        for k, s, mb, start, end, h, b in part[1:]
+    ]
+    peaks = [int(part[0][0]) for part in parts]
+    return Timeline(num_ranks, events, "measured", "s", peaks)
