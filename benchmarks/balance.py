@@ -41,7 +41,7 @@ from gpt import GPT, GPTConfig  # noqa: E402
 from launch import idle_time, launch, measure_link  # noqa: E402
 
 import torchmpmd as mpmd  # noqa: E402
-from torchmpmd.graph.balance import simulate  # noqa: E402
+from torchmpmd.planner import simulate  # noqa: E402
 
 # --------------------------------------------------------------------------- models
 

@@ -7,16 +7,19 @@ out = runner.step(batch, target=labels)      # on every rank, under torchrun
 
 The subpackages mirror the native layers: `graph` (tracing, the stage plan,
 `Pipe`), `schedule` (tasks, schedules, programs, costs, timelines) and
-`runtime` (the runner, transports, the in-process harness).
+`runtime` (the runner, transports, the in-process harness); above them,
+`planner` (`balance`: where to cut a model), `parallel` (data parallelism
+around the schedule) and `checkpoint`.
 """
 
 import torch  # noqa: F401  (loads libtorch before the native core)
 
 from . import _C, checkpoint, schedules, viz
-from .graph import Pipe, from_stages, mark_stage_end, trace
-from .graph.balance import Balance, balance
+from .graph import Pipe, from_stages, mark_stage_end
+from .planner import Balance, balance, trace
 from .runtime import CpuTuning, PipelineRunner, RunnerOptions, StepOutput, tune_cpu
 from .schedule import Costs, Program, Schedule, Task, Timeline, TimelineEvent, compile_schedule
+from .version import __version__
 
 # A step failed: a peer died or stalled, a task raised, or a microbatch did not
 # match the plan. The message names rank, peer, stage, microbatch and task.
@@ -37,6 +40,7 @@ __all__ = [
     "Task",
     "Timeline",
     "TimelineEvent",
+    "__version__",
     "balance",
     "checkpoint",
     "compile_schedule",
@@ -47,5 +51,3 @@ __all__ = [
     "tune_cpu",
     "viz",
 ]
-
-__version__ = "0.1.0"

@@ -15,8 +15,8 @@ from models import CASES, MLP, DeepUNet, MarkedMLP, TinyGPT
 from pipeline_check import check, data
 
 import torchmpmd as mpmd
-from torchmpmd.graph import balance as balance_module
-from torchmpmd.graph.balance import Profile, profile, search, simulate
+import torchmpmd.planner.splits as balance_module
+from torchmpmd.planner import Profile, profile, search, simulate
 from torchmpmd.testing import LocalPipeline
 
 S = mpmd.schedules

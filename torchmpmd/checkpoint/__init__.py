@@ -28,7 +28,7 @@ the data position), except `extra["per_rank"]`, which is kept per rank
 (random generator states): `load` returns each rank its own. DCP stores a
 dict, and a list holding tensors or dicts, entry by entry under joined names
 (`extra.rng.0`), which do not say which was a list or what a key's type was:
-`save` also stores each value's layout (its containers, under `_LAYOUT`),
+`save` also stores each value's layout (its containers, under `extra.LAYOUT`),
 from which `load` rebuilds them as they were.
 
 `save` and `load` are collectives: every rank checks in first (agree.py), and
@@ -64,9 +64,9 @@ from .agree import (
     compare_extra,
     digest_extra,
     digest_groups,
-    empty_like,
 )
 from .errors import CheckpointError, describe, raise_agreed, unwrap
+from .extra import extra_templates, with_extra
 from .paths import Target, abandon, commit, plan
 from .storage import ChecksumWriter, PlainDataPlanner, VerifyingReader
 
@@ -82,9 +82,6 @@ __all__ = [
     "local_model",
     "save",
 ]
-
-# The entry holding the layout of `extra` and of each rank's `per_rank`.
-_LAYOUT = "torchmpmd_layout"
 
 # The directory where this process's last `latest` found no checkpoint, for
 # the message of `load(None)`.
@@ -200,37 +197,6 @@ def _merge_param_groups(
         group["params"] = sorted(names, key=lambda n: order.get(n, len(order)))
 
 
-def _with_extra(state: dict[str, Any], extra: Mapping[str, Any] | None) -> dict[str, Any]:
-    if not extra:
-        return state
-    common = {k: v for k, v in extra.items() if k != PER_RANK}
-    out = dict(state)
-    layouts = {}
-    if common:
-        out["extra"] = common
-        layouts["extra"] = (_layout(common),)
-    if PER_RANK in extra:
-        own = f"{PER_RANK}.rank{_rank()}"
-        out[own] = extra[PER_RANK]
-        layouts[own] = (_layout(extra[PER_RANK]),)
-    # In a tuple, which DCP stores as one object, not entry by entry.
-    out[_LAYOUT] = layouts
-    return out
-
-
-def _layout(value: Any) -> Any:
-    """`value`'s dicts and lists with everything else None: what `load` needs
-    to rebuild it from DCP's entries (plain data, read weights-only)."""
-    if isinstance(value, Mapping):
-        out = empty_like(value)
-        for k, v in value.items():
-            out[k] = _layout(v)
-        return out
-    if isinstance(value, list):
-        return [_layout(v) for v in value]
-    return None
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -311,7 +277,7 @@ def _begin_save(
         staging=Path(decided["staging"]),
         created=tuple(Path(p) for p in decided["created"]),
     )
-    return target, _with_extra(state, extra)
+    return target, with_extra(state, extra, _rank())
 
 
 def save(
@@ -477,19 +443,7 @@ def _prepare_load(
     keys = reader.read_metadata().state_dict_metadata
     view, state = _state(runner, optimizer, "load")
     own = f"{PER_RANK}.rank{_rank()}"
-    for name in ("extra", own):
-        layout = f"{_LAYOUT}.{name}"
-        if layout in keys:
-            stored = reader.read_object(layout)
-            if not (isinstance(stored, tuple) and len(stored) == 1):
-                raise CheckpointError(
-                    f"checkpoint {source}: entry {layout!r} is not a layout; the checkpoint is "
-                    "damaged"
-                )
-            state[name] = _rebuild(source, keys, name, stored[0])
-        elif any(k == name or k.startswith(name + ".") for k in keys):
-            # Written without a layout (plain dcp.save): nested dicts.
-            state[name] = _template(keys, name)
+    state.update(extra_templates(reader, keys, source, ("extra", own)))
     local_groups = [list(g["params"]) for g in state.get("optim", {}).get("param_groups", [])]
     _check_entries(source, state, keys)
     return reader, view, state, own, local_groups
@@ -537,50 +491,6 @@ def _check_entries(source: Path, state: dict[str, Any], keys: Mapping[str, Any])
                 f"and {list(value.shape)} in this rank's model: it was written for a model "
                 "of other sizes"
             )
-
-
-def _leaf(meta: Any) -> Any:
-    """What DCP loads an entry into: an empty tensor where a tensor was
-    saved, None where an object was."""
-    if isinstance(meta, TensorStorageMetadata):
-        return torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-    return None
-
-
-def _rebuild(source: Path, keys: Mapping[str, Any], name: str, layout: Any) -> Any:
-    """The value saved under `name`, for DCP to load into, shaped by its
-    layout: its dicts (with their types and keys) and lists, and `_leaf`
-    where DCP stored an entry (a whole list or dict where DCP stored it as
-    one object)."""
-    if name in keys:
-        return _leaf(keys[name])
-    if isinstance(layout, Mapping):
-        out = empty_like(layout)
-        for k, v in layout.items():
-            out[k] = _rebuild(source, keys, f"{name}.{k}", v)
-        return out
-    if isinstance(layout, list):
-        return [_rebuild(source, keys, f"{name}.{i}", v) for i, v in enumerate(layout)]
-    raise CheckpointError(
-        f"checkpoint {source}: its layout of the saved values names {name!r}, which the "
-        "checkpoint does not hold; the checkpoint is damaged"
-    )
-
-
-def _template(keys: Mapping[str, Any], prefix: str) -> Any:
-    """A nested dict shaped like the saved entries under `prefix`, for DCP to
-    load into (for a checkpoint without a layout)."""
-    if prefix in keys:
-        return _leaf(keys[prefix])
-    out: dict[str, Any] = {}
-    for k, meta in keys.items():
-        if k.startswith(prefix + "."):
-            parts = k[len(prefix) + 1 :].split(".")
-            node = out
-            for p in parts[:-1]:
-                node = node.setdefault(p, {})
-            node[parts[-1]] = _leaf(meta)
-    return out
 
 
 def is_complete(path: str | os.PathLike[str]) -> bool:

@@ -33,6 +33,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .builder import _input_names
+from .inputs import example_inputs
 from .pipe import Pipe, StageSpec, TensorSpec, TransferInfo, place_tensor
 from .plan import Plan, StageNodes, TiedParameter, Transfer
 
@@ -285,14 +286,9 @@ def from_stages(
     for i, s in enumerate(stages):
         if not isinstance(s, torch.nn.Module):
             raise TypeError(f"mpmd.from_stages: stage {i} is a {type(s).__name__}, not a Module")
-    if isinstance(example_args, list):
-        raise TypeError(
-            "mpmd.from_stages: example_args is a list; pass the positional arguments of one "
-            "microbatch as a tuple, e.g. (x,)"
-        )
-    args = example_args if isinstance(example_args, tuple) else (example_args,)
+    args, kwargs = example_inputs("mpmd.from_stages", example_args, example_kwargs)
     names, aliases = _stage_names(stages, model)
-    return _build(list(stages), args, dict(example_kwargs or {}), names, aliases)
+    return _build(list(stages), args, kwargs, names, aliases)
 
 
 def _build(

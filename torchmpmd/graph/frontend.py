@@ -17,7 +17,7 @@ import operator
 import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -26,12 +26,10 @@ from torch.export import ExportedProgram
 
 from .. import _C
 from .builder import GraphBuilder
+from .inputs import example_inputs
 from .markers import RECOMPUTE_REGION_OP, STAGE_END_OP, TRACE_LOCK, _tracing
 from .pipe import Pipe
 from .plan import partition
-
-if TYPE_CHECKING:
-    from ..schedule.task import Schedule
 
 __all__ = ["trace"]
 
@@ -52,57 +50,24 @@ def trace(
     *,
     split_before: Sequence[str] | None = None,
     split_after: Sequence[str] | None = None,
-    num_stages: int | None = None,
-    schedule: Schedule | None = None,
-    num_ranks: int | None = None,
 ) -> Pipe:
     """Traces `model` on one microbatch and splits it into pipeline stages.
 
     Stages come from `mpmd.mark_stage_end` calls in the model, or from module
     paths: `split_before=["layers.4"]` starts a stage at that module,
-    `split_after=[...]` ends one there, or from `num_stages=N` alone:
-    `mpmd.balance` profiles the model and picks the split with the shortest
-    simulated step for `schedule` on `num_ranks` ranks (defaults: 1F1B over
-    2N microbatches on N ranks). The returned `Pipe` holds one
-    `torch.fx.GraphModule` per stage, sharing the model's parameters.
+    `split_after=[...]` ends one there. (`mpmd.trace` also takes
+    `num_stages=N`, which asks `torchmpmd.planner` for the split.) The
+    returned `Pipe` holds one `torch.fx.GraphModule` per stage, sharing the
+    model's parameters.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"mpmd.trace: model must be a torch.nn.Module, got {type(model).__name__}")
-    if num_stages is not None:
-        if split_before is not None or split_after is not None:
-            raise ValueError(
-                "mpmd.trace: num_stages chooses the split points itself; pass num_stages or "
-                "split_before/split_after, not both"
-            )
-        from .balance import balance
-
-        found = balance(
-            model,
-            example_args,
-            num_stages,
-            schedule=schedule,
-            num_ranks=num_ranks,
-            example_kwargs=example_kwargs,
-        )
-        return trace(model, example_args, example_kwargs, split_before=found.split_before)
-    if schedule is not None or num_ranks is not None:
-        raise ValueError(
-            "mpmd.trace: schedule and num_ranks only tell num_stages which split to choose; "
-            "pass num_stages=N with them, or give the schedule to the PipelineRunner"
-        )
     if split_before is not None and split_after is not None:
         raise ValueError(
             "mpmd.trace: pass split_before or split_after, not both; "
             "a stage boundary is either at the start or at the end of a module"
         )
-    if isinstance(example_args, list):
-        raise TypeError(
-            "mpmd.trace: example_args is a list; pass the positional arguments of one "
-            "microbatch as a tuple, e.g. (x,) or (x, mask); a single list argument is "
-            "written ([a, b],)"
-        )
-    args = example_args if isinstance(example_args, tuple) else (example_args,)
-    kwargs = dict(example_kwargs or {})
+    args, kwargs = example_inputs("mpmd.trace", example_args, example_kwargs)
     _check_signature(model, args, kwargs)
     points = split_before if split_before is not None else split_after
     if isinstance(points, str):

@@ -40,6 +40,7 @@ class Shard:
     """FSDP2 over `dp_mesh` for this rank's stages (see the module docstring)."""
 
     # Each compiled pipe would need sharded modules of its own.
+    name = "fsdp"
     allows_new_shapes = False
 
     def __init__(

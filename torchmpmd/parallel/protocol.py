@@ -23,6 +23,8 @@ __all__ = ["StageParallelism", "wrap"]
 class StageParallelism(Protocol):
     """Called by the runner, in this order, around each step."""
 
+    # The `data_parallel` option that asks for it ("replicate", "fsdp").
+    name: str
     # Whether new microbatch shapes (traced again, stages of their own) work.
     allows_new_shapes: bool
 

@@ -46,6 +46,7 @@ class _Bucket:
 class Replicate:
     """Averages the gradients of this rank's stages over `group`."""
 
+    name = "replicate"
     allows_new_shapes = True
 
     def __init__(

@@ -71,9 +71,7 @@ class Batches:
         self.num_traces += 1
         return compiled
 
-    def split(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, call: str
-    ) -> Batch:
+    def split(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, call: str) -> Batch:
         """The call's microbatches (flat inputs and targets), per microbatch
         the compiled pipe for its signature (a batch that does not divide
         evenly has two), and the batch's fingerprint."""

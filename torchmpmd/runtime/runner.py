@@ -10,14 +10,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..graph.pipe import Pipe, TensorSpec
+from ..graph.pipe import Pipe
 from ..parallel import wrap
 from ..schedule.program import Program
 from ..schedule.task import Schedule
 from ..schedule.timeline import Timeline, from_records
+from ..version import __version__
 from . import rank_rng, results
+from .batches import Batch, Batches
 from .checks import (
-    check_dtypes,
     check_mergeable,
     check_options,
     check_schedule,
@@ -26,9 +27,9 @@ from .checks import (
     require_pipe,
 )
 from .collective import Collective, connect, pick_device
-from .compiled import CompiledPipe, Options, signature_of, traced_signature
+from .compiled import CompiledPipe, Options
 from .failures import GRADS_NOTE, original_errors
-from .fingerprint import BatchPrint, batch_print, describe
+from .fingerprint import describe
 from .options import RunnerOptions, resolve
 from .stages import Evaluation, LossFn, Step, Training
 from .transport import Transport
@@ -130,7 +131,7 @@ class PipelineRunner:
             own_transport=transport is not None,
             timeout=timeout,
             device=self.device,
-            describe_job=lambda: describe(pipe, self.program, _version()),
+            describe_job=lambda: describe(pipe, self.program, __version__),
         )
         self._weights = Weights(pipe, first, self._collective, dp_group, opts.bucket_bytes)
         self._weights.start_replicas()
@@ -146,59 +147,17 @@ class PipelineRunner:
         )
         if mode == "fsdp":  # the shards were cut from allocated garbage: still unwritten
             first.stages.allocation.follow(first.stages.modules)
-        # One compiled pipe per input signature, the traced one first.
-        self._compiled = {traced_signature(pipe): first}
-        self.num_traces = 0
+        self._batches = Batches(pipe, first, self._options, self._dp)
         self.timeline: Timeline | None = None
-
-    # ---- one call's microbatches
-
-    def _compiled_for(self, row: list[Any]) -> CompiledPipe:
-        """The compiled pipe for one microbatch's inputs (traced on first sight)."""
-        signature = signature_of(row)
-        compiled = self._compiled.get(signature)
-        if compiled is None and self._dp is not None and not self._dp.allows_new_shapes:
-            raise ValueError(
-                "data_parallel='fsdp': microbatches must keep the traced shapes (got "
-                f"{[s for s in signature if isinstance(s, TensorSpec)]}); pass batches that "
-                "split into microbatches like the traced example"
-            )
-        if compiled is None:
-            compiled = CompiledPipe.retraced(self._pipe, row, self._options, shared=self._first)
-            self._compiled[signature] = compiled
-            self.num_traces += 1
-        return compiled
 
     def _batch(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, call: str
-    ) -> _Batch:
-        """The call's microbatches (flat inputs and targets), per microbatch
-        the compiled pipe for its signature (a batch that does not divide
-        evenly has two), and the batch's fingerprint. Every check here is
-        local, before any message: a refused call leaves the runner usable."""
+    ) -> Batch:
+        """The call's microbatches, checked here before any message (a refused
+        call leaves the runner usable)."""
         self._collective.refuse_if_failed()
         self._first.stages.allocation.check(self._first.stages.modules, self.rank)
-        try:
-            flat = self._pipe.flatten_structure(args, kwargs)
-        except TypeError as err:
-            if call == "step" and target is None and args:
-                raise TypeError(
-                    f"{err}; if the last positional argument is the target, pass it as "
-                    "step(..., target=y)"
-                ) from None
-            raise
-        check_dtypes(self._pipe, flat)
-        microbatcher = self._first.microbatcher
-        rows = microbatcher.split(flat)
-        targets = microbatcher.targets(target, flat)
-        per_mb = [self._compiled_for(row) for row in rows]
-        shapes: dict[tuple[int, int], list[int]] = {}
-        for i, (row, compiled) in enumerate(zip(rows, per_mb, strict=True)):
-            compiled.microbatcher.check(i, row)
-            if compiled is not per_mb[0]:
-                shapes.update(per_mb[0].shapes_of(compiled, i))
-        fingerprint = batch_print(list(zip(self._pipe.input_names, flat, strict=True)), target)
-        return _Batch(rows, targets, per_mb, shapes, fingerprint)
+        return self._batches.split(args, kwargs, target, call)
 
     # ---- steps
 
@@ -345,6 +304,11 @@ class PipelineRunner:
     # ---- state read by torchmpmd.testing and the docs' examples
 
     @property
+    def num_traces(self) -> int:
+        """How many microbatch shapes were traced after the first."""
+        return self._batches.num_traces
+
+    @property
     def timeout(self) -> float:
         """Seconds any wait for a peer may take before the step fails."""
         return self._collective.timeout
@@ -380,29 +344,3 @@ class PipelineRunner:
     @property
     def _stages(self) -> Any:
         return self._first.stages
-
-
-@dataclass(frozen=True, slots=True)
-class _Batch:
-    """One call's microbatches: flat inputs and targets, compiled pipe,
-    transfer shapes, and the batch's fingerprint for the check-in."""
-
-    inputs: list[list[Any]]
-    targets: list[Any]  # per microbatch (None without a target)
-    per_mb: list[CompiledPipe]
-    # (value, microbatch) -> shape, where a microbatch's differ from the first's
-    shapes: dict[tuple[int, int], list[int]]
-    fingerprint: BatchPrint
-
-    def first_uses(self) -> list[tuple[int, CompiledPipe]]:
-        """Each distinct compiled pipe with the first microbatch it runs."""
-        seen: dict[int, tuple[int, CompiledPipe]] = {}
-        for mb, c in enumerate(self.per_mb):
-            seen.setdefault(id(c), (mb, c))
-        return list(seen.values())
-
-
-def _version() -> str:
-    from .. import __version__
-
-    return __version__

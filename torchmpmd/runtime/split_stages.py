@@ -9,26 +9,51 @@ from the microbatch it is traced with.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.utils._pytree as pytree
 
 from ..graph.eager import EagerStage
+from ..graph.pipe import Pipe
 from ..graph.split import SplitStage
 from .autograd_split import AutogradSplit
 from .microbatch import to_device
 
-if TYPE_CHECKING:
-    from .stages import LocalStages, Step
-
 __all__: list[str] = []
+
+
+class StepTargets(Protocol):
+    """What split stages read of one step (`stages.Step`)."""
+
+    targets: list[Any]  # per microbatch
+
+
+class StageHost(Protocol):
+    """What split stages read of a rank's stages (`stages.LocalStages`, which
+    imports this module: the protocol keeps the dependency one way)."""
+
+    pipe: Pipe
+    device: torch.device
+    last: int  # the last stage's index
+    num_microbatches: int
+    modules: dict[int, torch.nn.Module]
+    selective: set[int]  # stages under selective recompute
+    compile_options: dict[str, Any] | None
+
+    def user_inputs(self, step: Any, stage: int, mb: int) -> list[Any]: ...
+
+    def call(self, step: Any, stage: int, mb: int, received: list[torch.Tensor]) -> Any: ...
+
+    def sends_and_loss(
+        self, stage: int, outs: Any, target: Any, mb: int
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]: ...
 
 
 def autograd_forward(
     split: AutogradSplit,
-    stages: LocalStages,
-    step: Step,
+    stages: StageHost,
+    step: StepTargets,
     stage: int,
     mb: int,
     received: list[torch.Tensor],
@@ -55,7 +80,7 @@ def autograd_forward(
 
 
 def split_inputs(
-    stages: LocalStages, step: Step, stage: int, mb: int, received: list[torch.Tensor]
+    stages: StageHost, step: StepTargets, stage: int, mb: int, received: list[torch.Tensor]
 ) -> list[torch.Tensor]:
     """A split stage's tensor inputs: user tensors, received values, then
     (last stage) the target's tensor leaves."""
@@ -68,7 +93,7 @@ def split_inputs(
 
 
 def build_split_stage(
-    stages: LocalStages, stage: int, step: Step, mb: int
+    stages: StageHost, stage: int, step: StepTargets, mb: int
 ) -> SplitStage | AutogradSplit:
     """Traces `stage` on the step's microbatch `mb` and cuts it into F/I/W
     (an eager stage splits through autograd instead)."""
@@ -127,7 +152,7 @@ class _Unhooked(torch.nn.Module):
 
 
 def _stage_function(
-    stages: LocalStages, stage: int, user_all: list[Any], n_received: int, target: Any
+    stages: StageHost, stage: int, user_all: list[Any], n_received: int, target: Any
 ) -> Callable[[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]], list[torch.Tensor]]:
     """fn(params, buffers, tensors) -> outputs of one stage, loss included, for tracing."""
     module = stages.modules[stage]

@@ -2,16 +2,48 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .. import _C
 from ..graph.pipe import Pipe
 from .costs import Costs, timeline_from_native
 from .task import Schedule, Task, check_placement, require_schedule
 from .timeline import Timeline
 
-__all__ = ["Program", "compile_schedule"]
+__all__ = ["Edge", "Lowering", "Prediction", "Program", "StageGraph", "compile_schedule"]
 
 
-def _graph_of(pipe: Pipe | int) -> _C.schedule.PipelineGraph:
+@dataclass(frozen=True, slots=True)
+class Edge:
+    """Value `value`, computed by stage `src`, read by stage `dst` (`bytes` per microbatch)."""
+
+    value: int
+    src: int
+    dst: int
+    bytes: int
+    requires_grad: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class StageGraph:
+    """What a schedule is lowered for: the stages, the values crossing between
+    them, and the groups of stages sharing a tied parameter (with its bytes,
+    the size of its gradient). A `Pipe` has one; a planner weighing splits of
+    a model builds one per split."""
+
+    num_stages: int
+    edges: tuple[Edge, ...] = ()
+    tied: tuple[tuple[tuple[int, ...], int], ...] = ()
+
+    def native(self) -> _C.schedule.PipelineGraph:
+        edges = [
+            _C.schedule.Edge(e.value, e.src, e.dst, e.bytes, e.requires_grad) for e in self.edges
+        ]
+        tied = [_C.schedule.TiedGroup(i, list(s), b) for i, (s, b) in enumerate(self.tied)]
+        return _C.schedule.PipelineGraph(self.num_stages, edges, tied)
+
+
+def _graph_of(pipe: Pipe | int | StageGraph) -> _C.schedule.PipelineGraph:
     if isinstance(pipe, Pipe):
         plan = pipe.plan
         edges = [
@@ -19,9 +51,22 @@ def _graph_of(pipe: Pipe | int) -> _C.schedule.PipelineGraph:
         ]
         tied = [_C.schedule.TiedGroup(t.node, list(t.stages), 0) for t in plan.tied]
         return _C.schedule.PipelineGraph(plan.num_stages, edges, tied)
+    if isinstance(pipe, StageGraph):
+        return pipe.native()
     if isinstance(pipe, int) and not isinstance(pipe, bool):
         return _C.schedule.PipelineGraph.chain(pipe)
-    raise TypeError(f"expected a Pipe or a number of stages, got {type(pipe).__name__}")
+    raise TypeError(
+        f"expected a Pipe, a StageGraph or a number of stages, got {type(pipe).__name__}"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """The simulator's step time and per-rank peak activation bytes, without
+    the timeline's events (what a planner compares between splits)."""
+
+    step_time: float
+    peak_activation_bytes: tuple[int, ...]
 
 
 def _spec(
@@ -98,6 +143,18 @@ class Program:
         native = _C.schedule.simulate(self._native, costs.native(self.num_stages, acts))
         return timeline_from_native(native, costs.unit)
 
+    def predict(self, costs: Costs | None = None) -> Prediction:
+        """`simulate`'s step time and peak activation bytes alone (no events
+        built: cheap enough to call for thousands of candidate splits)."""
+        costs = costs if costs is not None else Costs()
+        acts = self.pipe.activation_bytes() if self.pipe is not None else None
+        native = _C.schedule.simulate(self._native, costs.native(self.num_stages, acts))
+        compute = [e for e in native.events if e.kind == _C.schedule.EventKind.compute]
+        step, _ = _C.schedule.timeline_stats(
+            [e.rank for e in compute], [e.start for e in compute], [e.end for e in compute]
+        )
+        return Prediction(step, tuple(native.peak_activation_bytes))
+
     def grid(self) -> str:
         """One line per rank in action format ('0F0 0F1 0B0 ...')."""
         return _C.schedule.render_grid(self._native.spec, [])
@@ -109,15 +166,50 @@ class Program:
         )
 
 
+class Lowering:
+    """A schedule's task lists, checked and converted once for `num_stages`
+    stages on `num_ranks` ranks, lowered for any graph of that many stages.
+    `compile_schedule` is one lowering; a planner weighing many splits of a
+    model keeps one and compiles each split's `StageGraph`."""
+
+    def __init__(
+        self, schedule: Schedule, num_stages: int, num_ranks: int, *, forward_only: bool = False
+    ) -> None:
+        require_schedule(schedule, "compile_schedule")
+        if not isinstance(num_ranks, int) or num_ranks < 1:
+            raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
+        self.schedule = schedule
+        self.num_stages = num_stages
+        self.num_ranks = num_ranks
+        self._spec = _spec(schedule, num_stages, num_ranks, forward_only)
+
+    def compile(self, graph: Pipe | int | StageGraph, costs: Costs | None = None) -> Program:
+        """Lowers and validates the programs for `graph` (see `compile_schedule`)."""
+        native_graph = _graph_of(graph)
+        if native_graph.num_stages != self.num_stages:
+            raise ValueError(
+                f"this lowering is for {self.num_stages} stages; the graph has "
+                f"{native_graph.num_stages}"
+            )
+        return self._lower(native_graph, costs, graph if isinstance(graph, Pipe) else None)
+
+    def _lower(
+        self, graph: _C.schedule.PipelineGraph, costs: Costs | None, pipe: Pipe | None
+    ) -> Program:
+        native_costs = (costs or Costs()).native(self.num_stages)
+        return Program(_C.schedule.lower(graph, self._spec, native_costs), self.schedule, pipe)
+
+
 def compile_schedule(
     schedule: Schedule,
-    pipe: Pipe | int,
+    pipe: Pipe | int | StageGraph,
     num_ranks: int,
     *,
     forward_only: bool = False,
     costs: Costs | None = None,
 ) -> Program:
-    """Lowers `schedule` for `pipe` (or a chain of that many stages) on `num_ranks` ranks.
+    """Lowers `schedule` for `pipe` (or a chain of that many stages, or a
+    `StageGraph`) on `num_ranks` ranks.
 
     Raises ValueError naming the offending tasks, with a per-rank grid, when
     the schedule is incomplete, misplaced, out of dependency order or would
@@ -128,7 +220,5 @@ def compile_schedule(
     if not isinstance(num_ranks, int) or num_ranks < 1:
         raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
     graph = _graph_of(pipe)
-    spec = _spec(schedule, graph.num_stages, num_ranks, forward_only)
-    native_costs = (costs or Costs()).native(graph.num_stages)
-    native = _C.schedule.lower(graph, spec, native_costs)
-    return Program(native, schedule, pipe if isinstance(pipe, Pipe) else None)
+    lowering = Lowering(schedule, graph.num_stages, num_ranks, forward_only=forward_only)
+    return lowering._lower(graph, costs, pipe if isinstance(pipe, Pipe) else None)

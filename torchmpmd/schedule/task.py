@@ -232,6 +232,20 @@ def check_placement(placement: object, who: str) -> list[int]:
 _ALIASES = {"1f1b": "OneFOneB", "interleaved": "Interleaved1F1B", "zbh1": "ZeroBubbleH1"}
 
 
+def _builtin_schedules() -> dict[str, type[Schedule]]:
+    """The schedules of `mpmd.schedules` by name, found among Schedule's
+    subclasses (builtins.py is written with Schedule, so this module cannot
+    import it)."""
+    found: dict[str, type[Schedule]] = {}
+    todo: list[type[Schedule]] = [Schedule]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            todo.append(sub)
+            if sub.__module__ == f"{__package__}.builtins":
+                found[sub.__name__] = sub
+    return found
+
+
 def require_schedule(schedule: object, who: str) -> Schedule:
     """`schedule`, which `who` runs, as an mpmd.Schedule instance; a schedule
     class, a number of microbatches, a schedule's name or None is refused
@@ -243,12 +257,11 @@ def require_schedule(schedule: object, who: str) -> Schedule:
                 "call super().__init__(num_microbatches)"
             )
         return schedule
-    from . import builtins  # not at import time: the built-ins are written with Schedule
-
+    builtins = _builtin_schedules()
     example = "mpmd.schedules.OneFOneB(num_microbatches)"
     if isinstance(schedule, type) and issubclass(schedule, Schedule):
         name = schedule.__name__
-        spelled = f"mpmd.schedules.{name}" if getattr(builtins, name, None) is schedule else name
+        spelled = f"mpmd.schedules.{name}" if builtins.get(name) is schedule else name
         detail = (
             f"the class {name}, not a schedule; instantiate it with the number of "
             f"microbatches: {spelled}(num_microbatches)"
@@ -261,7 +274,7 @@ def require_schedule(schedule: object, who: str) -> Schedule:
         )
     elif isinstance(schedule, str):
         key = schedule.lower().replace("_", "").replace("-", "")
-        known = {n.lower(): n for n in builtins.__all__}
+        known = {n.lower(): n for n in builtins}
         builtin = _ALIASES.get(key) or known.get(key)
         spelled = f"mpmd.schedules.{builtin}(num_microbatches)" if builtin else example
         detail = f"{schedule!r} (str); a schedule is an object, not a name: write {spelled}"

@@ -1,0 +1,39 @@
+"""Planning a pipeline above `graph` and `schedule`: where to cut a model.
+
+`mpmd.balance` profiles a model's units on one microbatch (`profile`) and
+searches the splits into stages on the simulator (`search`), through the
+public lowering path (`schedule.Lowering`, `Program.predict`), as any future
+planner (a schedule chooser, a memory planner) would:
+
+- `units.py`: the candidate units, from the model's module calls;
+- `profiler.py` (`profile`): per unit forward and backward time, saved
+  activation bytes, and what crosses between units;
+- `splits.py` (`search`, `simulate`): the splits weighed on the simulator;
+- `results.py`: `Profile`, `StageCost`, `Balance`;
+- `balancer.py`: the entry point `balance` (rank 0 profiles, every rank gets
+  the result) and `mpmd.trace`, which takes `num_stages=N`.
+
+Units are timed boundary to boundary: a unit's forward runs from its forward
+pre-hook to the next unit's, so code between modules (a residual add, a
+`torch.cat`) counts for the unit before it, which is where `mpmd.trace`'s
+`split_before` puts it. Backward is timed the same way, from the gradient of
+one unit's inputs to the gradient of the previous unit's inputs.
+"""
+
+from .balancer import balance, trace
+from .profiler import profile
+from .results import Balance, Profile, StageCost, UnitTransfer
+from .splits import EXHAUSTIVE_LIMIT, search, simulate
+
+__all__ = [
+    "EXHAUSTIVE_LIMIT",
+    "Balance",
+    "Profile",
+    "StageCost",
+    "UnitTransfer",
+    "balance",
+    "profile",
+    "search",
+    "simulate",
+    "trace",
+]

@@ -1,0 +1,342 @@
+"""Profiling a model on one microbatch: per unit forward and backward time,
+the activation bytes autograd saves, and what crosses between units."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from ..graph.frontend import _check_signature, trace
+from ..graph.inputs import example_inputs
+from ..graph.markers import _tracing
+from .results import Profile, UnitTransfer
+from .units import Recorder, candidate_units
+
+__all__ = ["LossFn", "profile"]
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+@dataclass(slots=True)
+class _Pass:
+    """What the hooks of one forward + backward recorded."""
+
+    pre: dict[int, float] = field(default_factory=dict)
+    grad: dict[int, float] = field(default_factory=dict)
+    saved: dict[int, int] = field(default_factory=dict)
+    input_bytes: dict[int, int] = field(default_factory=dict)
+    current: int = 0
+    start: float = 0.0
+    forward_end: float = 0.0
+    backward_start: float = 0.0
+    end: float = 0.0
+
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class _Profiler:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        loss: tuple[LossFn, Any] | None,
+    ) -> None:
+        self.model = model
+        self.args = args
+        self.kwargs = kwargs
+        self.loss = loss
+        tensors = [*model.parameters(), *model.buffers(), *_tensors((args, kwargs))]
+        cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+        self.cuda_devices = cuda
+        self.sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.fixed_storages = {
+            t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]
+        }
+
+    def forward(self) -> Any:
+        """The model's forward, then the loss (the last stage computes it)."""
+        out = self.model(*self.args, **self.kwargs)
+        if self.loss is not None:
+            loss_fn, target = self.loss
+            out = loss_fn(out, target)
+        return out
+
+    def run(self, units: Sequence[str], saved: bool) -> _Pass:
+        """One forward and backward, timing the units (and what autograd saves
+        in each, if `saved`)."""
+        rec = _Pass()
+        handles: list[torch.utils.hooks.RemovableHandle] = []
+
+        def on_grad(k: int) -> Callable[[torch.Tensor], None]:
+            def hook(_grad: torch.Tensor) -> None:
+                self.sync()
+                rec.grad[k] = min(rec.grad.get(k, math.inf), time.perf_counter())
+
+            return hook
+
+        def on_call(k: int) -> Callable[[torch.nn.Module, Any, Any], None]:
+            def hook(_module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+                if k in rec.pre:
+                    return
+                self.sync()
+                rec.pre[k] = time.perf_counter()
+                rec.current = k
+                inputs = _tensors((args, kwargs))
+                rec.input_bytes[k] = sum(
+                    t.numel() * t.element_size() for t in inputs if t.is_floating_point()
+                )
+                for t in inputs:
+                    if t.requires_grad:
+                        handle = t.register_hook(on_grad(k))  # type: ignore[no-untyped-call]
+                        handles.append(handle)
+
+            return hook
+
+        counted: set[int] = set()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            try:
+                storage = t.untyped_storage()
+                key, size = storage.data_ptr(), storage.nbytes()
+            except (RuntimeError, NotImplementedError):  # no plain storage
+                key, size = id(t), t.numel() * t.element_size()
+            if key not in counted and key not in self.fixed_storages:
+                counted.add(key)
+                rec.saved[rec.current] = rec.saved.get(rec.current, 0) + size
+            return t
+
+        for k, path in enumerate(units):
+            if k == 0:  # the first unit starts with the forward
+                continue
+            module = self.model.get_submodule(path)
+            handles.append(module.register_forward_pre_hook(on_call(k), with_kwargs=True))
+        try:
+            hooks = (
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+                if saved
+                else contextlib.nullcontext()
+            )
+            self.sync()
+            rec.start = time.perf_counter()
+            with hooks:
+                out = self.forward()
+            self.sync()
+            rec.forward_end = time.perf_counter()
+            self.backward(out, rec)
+        finally:
+            for h in handles:
+                h.remove()
+        return rec
+
+    def backward(self, out: Any, rec: _Pass) -> None:
+        outs = [t for t in _tensors(out) if t.requires_grad and t.is_floating_point()]
+        rec.backward_start = rec.end = time.perf_counter()
+        if not outs or not self.params:
+            return
+        grads = [torch.ones_like(t) for t in outs]
+        self.sync()
+        rec.backward_start = time.perf_counter()
+        torch.autograd.grad(outs, self.params, grads, allow_unused=True)
+        self.sync()
+        rec.end = time.perf_counter()
+
+
+@contextlib.contextmanager
+def _buffers_restored(model: torch.nn.Module) -> Iterator[None]:
+    """Profiling runs must not change the model (BatchNorm statistics)."""
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
+
+
+def _inputs(
+    model: torch.nn.Module, example_args: Any, example_kwargs: dict[str, Any] | None
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"mpmd.balance: model must be a torch.nn.Module, got {type(model).__name__}"
+        )
+    args, kwargs = example_inputs("mpmd.balance", example_args, example_kwargs)
+    _check_signature(model, args, kwargs)
+    tensors = [*model.parameters(), *model.buffers(), *_tensors((args, kwargs))]
+    if any(t.is_meta for t in tensors):
+        raise ValueError(
+            "mpmd.balance: the model or its example inputs are on the meta device, so "
+            "nothing can be timed; balance a copy on a real device and pass its "
+            "split_before to mpmd.trace"
+        )
+    return args, kwargs
+
+
+def profile(
+    model: torch.nn.Module,
+    example_args: Any = (),
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    min_units: int = 1,
+    repeats: int = 5,
+    loss_fn: LossFn | None = None,
+    example_target: Any = None,
+) -> Profile:
+    """Measures the candidate units of `model` on one microbatch.
+
+    One forward and backward records the module calls (`candidate_units`
+    picks the units, at least `min_units` where the model allows) and warms
+    up; one more records the activation bytes autograd saves in each unit
+    (`saved_tensors_hooks`; parameters and buffers are not activations);
+    then `repeats` passes are timed and each unit gets its median. With
+    `loss_fn`, the last unit also computes `loss_fn(output, example_target)`
+    (as the last stage does) and the backward starts from the loss;
+    otherwise from gradients of ones on the model's outputs.
+    A trace of the model cut at every unit gives what crosses each cut.
+    The model's parameters, gradients, buffers and random state are left as
+    they were.
+    """
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"mpmd.balance: repeats must be a positive int, got {repeats!r}")
+    args, kwargs = _inputs(model, example_args, example_kwargs)
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"mpmd.balance: loss_fn must be callable, got {type(loss_fn).__name__}")
+    if loss_fn is None and example_target is not None:
+        raise ValueError(
+            "mpmd.balance: example_target is only read by loss_fn; pass loss_fn too "
+            "(the PipelineRunner's, e.g. loss_fn=F.cross_entropy)"
+        )
+    loss = (loss_fn, example_target) if loss_fn is not None else None
+    prof = _Profiler(model, args, kwargs, loss)
+    with torch.random.fork_rng(devices=prof.cuda_devices), _buffers_restored(model):
+        recorder = Recorder(model)
+        handles = recorder.hooks()
+        try:
+            with _tracing(), recorder:
+                out = prof.forward()
+        finally:
+            for h in handles:
+                h.remove()
+        if recorder.markers:
+            raise ValueError(
+                f"mpmd.balance: the model calls mpmd.mark_stage_end {recorder.markers} time(s), "
+                "so its stages are set in its code; trace it without num_stages, or remove "
+                "the markers to let mpmd.balance choose the split"
+            )
+        prof.backward(out, _Pass())
+        del out
+        units = candidate_units(model, recorder.calls, min_units)
+        sizes = prof.run(units, saved=True)
+        passes = [prof.run(units, saved=False) for _ in range(repeats)]
+    forward, backward = _median_times(units, passes)
+    activation = [sizes.saved.get(k, 0) for k in range(len(units))]
+
+    traced = _traced_transfers(model, args, kwargs, units)
+    if traced is None:  # not traceable at every unit: the bytes each unit reads
+        kept = units
+        transfers = tuple(
+            UnitTransfer(src=k - 1, dst=(k,), bytes=sizes.input_bytes.get(k, 0))
+            for k in range(1, len(units))
+        )
+        tied: tuple[tuple[tuple[int, ...], int], ...] = ()
+    else:
+        kept, transfers, tied = traced
+    owner: list[int] = []  # a unit that cannot start a stage joins the one before
+    for u in units:
+        owner.append(kept.index(u) if u in kept else owner[-1])
+
+    def merged(values: Sequence[float]) -> list[float]:
+        out = [0.0] * len(kept)
+        for k, v in enumerate(values):
+            out[owner[k]] += v
+        return out
+
+    return Profile(
+        units=tuple(kept),
+        forward=tuple(merged(forward)),
+        backward=tuple(merged(backward)),
+        activation_bytes=tuple(int(v) for v in merged(activation)),
+        transfers=transfers,
+        tied=tied,
+    )
+
+
+def _median_times(units: Sequence[str], passes: Sequence[_Pass]) -> tuple[list[float], list[float]]:
+    n = len(units)
+    fwd: list[list[float]] = [[] for _ in range(n)]
+    bwd: list[list[float]] = [[] for _ in range(n)]
+    for rec in passes:
+        missing = [units[k] for k in range(1, n) if k not in rec.pre]
+        if missing:
+            raise RuntimeError(
+                f"mpmd.balance: module '{missing[0]}' ran in the first forward of the example "
+                "but not in a later one; the model must run the same modules on every call"
+            )
+        starts = [rec.start] + [rec.pre[k] for k in range(1, n)] + [rec.forward_end]
+        for k in range(n):
+            fwd[k].append(max(starts[k + 1] - starts[k], 0.0))
+        # Gradient of unit k's inputs ready: the end of unit k's backward. A
+        # unit without differentiable inputs ends where the next one does.
+        ends = [0.0] * (n + 1)
+        ends[n] = rec.backward_start
+        for k in range(n - 1, 0, -1):
+            ends[k] = min(max(rec.grad.get(k, ends[k + 1]), ends[k + 1]), rec.end)
+        ends[0] = max(rec.end, ends[1] if n > 1 else rec.end)
+        for k in range(n):
+            bwd[k].append(ends[k] - ends[k + 1])
+    return [statistics.median(v) for v in fwd], [statistics.median(v) for v in bwd]
+
+
+def _traced_transfers(
+    model: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    units: Sequence[str],
+) -> tuple[list[str], tuple[UnitTransfer, ...], tuple[tuple[tuple[int, ...], int], ...]] | None:
+    """What crosses between units: `mpmd.trace` cut before every unit. A unit
+    the trace refuses as a boundary (named in its error, e.g. one whose ops
+    are all recomputed where needed, which leaves an empty stage) is merged
+    into the unit before it; None if the model cannot be traced that way."""
+    points = list(units[1:])
+    for _ in range(8):
+        try:
+            pipe = trace(model, args, kwargs, split_before=points)
+        except ValueError as err:
+            named = re.findall(r"(?:split_before|names module) '([^']+)'", str(err))
+            bad = next((p for p in named if p in points), None)
+            if bad is None:
+                return None
+            points.remove(bad)
+            continue
+        except (RuntimeError, TypeError):
+            return None
+        plan = pipe.plan
+        transfers = tuple(
+            UnitTransfer(
+                src=t.src_stage, dst=t.dst_stages, bytes=t.bytes, requires_grad=t.requires_grad
+            )
+            for t in plan.transfers
+        )
+        tied = tuple(
+            (
+                t.stages,
+                pipe.tied_parameters[t.node].numel() * pipe.tied_parameters[t.node].element_size(),
+            )
+            for t in plan.tied
+        )
+        return [units[0], *points], transfers, tied
+    return None

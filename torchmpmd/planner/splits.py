@@ -1,0 +1,348 @@
+"""Searching the splits of a `Profile` on the project's simulator: each split
+gets a `StageGraph` whose edges carry the bytes crossing its cuts, lowered by
+one `Lowering` of the schedule (the path `compile_schedule` takes) and
+predicted by `Program.predict`."""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..graph.format import human_bytes
+from ..schedule.builtins import OneFOneB
+from ..schedule.costs import Costs
+from ..schedule.program import Edge, Lowering, Prediction, StageGraph
+from ..schedule.task import Schedule
+from ..schedule.timeline import Timeline
+from .results import Balance, Profile, StageCost
+
+__all__ = [
+    "EXHAUSTIVE_LIMIT",
+    "check_limits",
+    "check_num_stages",
+    "resolve_schedule",
+    "search",
+    "simulate",
+]
+
+# Splits tried one by one up to this many; beyond, a local search.
+EXHAUSTIVE_LIMIT = 20_000
+
+
+@dataclass(frozen=True, slots=True)
+class _Eval:
+    starts: tuple[int, ...]  # first unit of each stage
+    step: float
+    peak: tuple[int, ...]  # per rank
+    crossing: int  # bytes sent per microbatch
+
+    def key(self, limit: float | None) -> tuple[float, float, int, int, tuple[int, ...]]:
+        over = max(0.0, max(self.peak, default=0) - limit) if limit is not None else 0.0
+        return (over, self.step, max(self.peak, default=0), self.crossing, self.starts)
+
+
+class _Simulator:
+    """Predicted step of splits of a profile, memoised: each split is a
+    `StageGraph` whose edges carry the bytes of the values crossing its cuts
+    (skip connections included), lowered by one `Lowering` of the schedule."""
+
+    def __init__(
+        self, profile: Profile, lowering: Lowering, bandwidth: float, latency: float
+    ) -> None:
+        self.profile = profile
+        self.n = lowering.num_stages
+        self.lowering = lowering
+        self.bandwidth = bandwidth
+        self.latency = latency
+        self.cache: dict[tuple[int, ...], _Eval] = {}
+        self._f = [0.0, *itertools.accumulate(profile.forward)]
+        self._b = [0.0, *itertools.accumulate(profile.backward)]
+        self._a = [0, *itertools.accumulate(profile.activation_bytes)]
+
+    def stages(self, starts: tuple[int, ...]) -> list[tuple[float, float, int]]:
+        """Per stage: forward, backward, activation bytes."""
+        bounds = [*starts, len(self.profile.units)]
+        return [
+            (self._f[e] - self._f[s], self._b[e] - self._b[s], self._a[e] - self._a[s])
+            for s, e in itertools.pairwise(bounds)
+        ]
+
+    def costs(self, starts: tuple[int, ...]) -> Costs:
+        stages = self.stages(starts)
+        return Costs(
+            forward=[f for f, _, _ in stages],
+            backward=[b for _, b, _ in stages],
+            activation_bytes=[a for _, _, a in stages],
+            unit="s",
+            bandwidth=self.bandwidth,
+            latency=self.latency,
+        )
+
+    def graph(self, starts: tuple[int, ...]) -> tuple[StageGraph, int]:
+        """The split's stage graph, and the bytes crossing its cuts per microbatch."""
+        stage_of = [bisect.bisect_right(starts, u) - 1 for u in range(len(self.profile.units))]
+        edges = []
+        crossing = 0
+        for value, t in enumerate(self.profile.transfers):
+            src = stage_of[t.src]
+            for dst in sorted({stage_of[d] for d in t.dst} - {src}):
+                edges.append(Edge(value, src, dst, t.bytes, t.requires_grad))
+                crossing += t.bytes
+        tied = []
+        for units, nbytes in self.profile.tied:
+            stages = tuple(sorted({stage_of[u] for u in units}))
+            if len(stages) > 1:
+                tied.append((stages, nbytes))
+        return StageGraph(self.n, tuple(edges), tuple(tied)), crossing
+
+    def evaluate(self, starts: tuple[int, ...]) -> _Eval:
+        found = self.cache.get(starts)
+        if found is None:
+            graph, crossing = self.graph(starts)
+            costs = self.costs(starts)
+            predicted: Prediction = self.lowering.compile(graph, costs).predict(costs)
+            found = _Eval(
+                starts, predicted.step_time, tuple(predicted.peak_activation_bytes), crossing
+            )
+            self.cache[starts] = found
+        return found
+
+    def timeline(self, starts: tuple[int, ...]) -> Timeline:
+        costs = self.costs(starts)
+        return self.lowering.compile(self.graph(starts)[0], costs).simulate(costs)
+
+
+def _even_starts(num_units: int, num_stages: int) -> tuple[int, ...]:
+    """Equal numbers of units per stage; the first `num_units % num_stages` get one more."""
+    q, r = divmod(num_units, num_stages)
+    return tuple(s * q + min(s, r) for s in range(num_stages))
+
+
+def _min_max_starts(weights: Sequence[float], num_stages: int) -> tuple[int, ...]:
+    """The contiguous partition whose largest stage sum is smallest (the bottleneck)."""
+    n = len(weights)
+    prefix = [0.0, *itertools.accumulate(weights)]
+    best = [[math.inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for j in range(1, num_stages + 1):
+        for i in range(j, n - (num_stages - j) + 1):
+            for k in range(j - 1, i):
+                v = max(best[j - 1][k], prefix[i] - prefix[k])
+                if v < best[j][i]:
+                    best[j][i], cut[j][i] = v, k
+    starts = []
+    i = n
+    for j in range(num_stages, 0, -1):
+        i = cut[j][i]
+        starts.append(i)
+    return tuple(reversed(starts))
+
+
+def _local_search(
+    sim: _Simulator, seeds: Sequence[tuple[int, ...]], num_units: int, limit: float | None
+) -> None:
+    """Steepest descent from each seed, moving one cut by 1, 2, 4, ... units."""
+    n = sim.n
+    reach = max(1, num_units // n)
+    for seed in seeds:
+        current = sim.evaluate(seed)
+        while True:
+            moves = []
+            for i in range(1, n):
+                lo = current.starts[i - 1] + 1
+                hi = (current.starts[i + 1] if i + 1 < n else num_units) - 1
+                d = 1
+                while d <= reach:
+                    for v in (current.starts[i] - d, current.starts[i] + d):
+                        if lo <= v <= hi:
+                            moves.append((*current.starts[:i], v, *current.starts[i + 1 :]))
+                    d *= 2
+            if not moves:
+                break
+            candidate = min((sim.evaluate(m) for m in moves), key=lambda e: e.key(limit))
+            if candidate.key(limit) >= current.key(limit):
+                break
+            current = candidate
+
+
+def check_num_stages(num_stages: Any) -> int:
+    if not isinstance(num_stages, int) or isinstance(num_stages, bool):
+        raise TypeError(
+            f"mpmd.balance: num_stages must be an int, got {num_stages!r} "
+            f"({type(num_stages).__name__})"
+        )
+    if num_stages < 1:
+        raise ValueError(f"mpmd.balance: num_stages must be at least 1, got {num_stages}")
+    return num_stages
+
+
+def resolve_schedule(schedule: Any, num_stages: int, num_ranks: Any) -> tuple[Schedule, Lowering]:
+    """The schedule (default 1F1B over 2 x num_stages microbatches) and number of
+    ranks (default num_stages, or num_stages / 2 for a schedule that needs two
+    stages per rank), checked by lowering it once for a chain of stages."""
+    if schedule is None:
+        schedule = OneFOneB(2 * num_stages)
+    elif isinstance(schedule, type) and issubclass(schedule, Schedule):
+        raise TypeError(
+            f"mpmd.balance: schedule is the class {schedule.__name__}; pass an instance with "
+            f"its number of microbatches, e.g. schedule={schedule.__name__}({2 * num_stages})"
+        )
+    elif not isinstance(schedule, Schedule):
+        raise TypeError(
+            f"mpmd.balance: schedule must be an mpmd.Schedule such as "
+            f"mpmd.schedules.OneFOneB(8), got {type(schedule).__name__}"
+        )
+    if num_ranks is not None and (
+        not isinstance(num_ranks, int) or isinstance(num_ranks, bool) or num_ranks < 1
+    ):
+        raise ValueError(f"mpmd.balance: num_ranks must be a positive int, got {num_ranks!r}")
+    tries = [num_ranks] if num_ranks is not None else [num_stages]
+    if num_ranks is None and num_stages % 2 == 0:
+        tries.append(num_stages // 2)
+    errors: list[ValueError] = []
+    for ranks in tries:
+        try:
+            lowering = Lowering(schedule, num_stages, ranks)
+            lowering.compile(num_stages)
+            return schedule, lowering
+        except ValueError as err:
+            errors.append(err)
+    which = " or ".join(str(r) for r in tries)
+    raise ValueError(
+        f"mpmd.balance: {schedule!r} cannot run {num_stages} stages on {which} ranks: "
+        f"{errors[0]}; pass num_ranks=... or a num_stages and schedule that fit "
+        "(OneFOneB: a multiple of num_ranks stages; ZBV and DualPipeV: 2 x num_ranks)"
+    ) from errors[0]
+
+
+def check_limits(memory_limit: Any, bandwidth: Any, latency: Any) -> None:
+    if memory_limit is not None and (
+        not isinstance(memory_limit, (int, float))
+        or isinstance(memory_limit, bool)
+        or not memory_limit > 0
+    ):
+        raise ValueError(
+            f"mpmd.balance: memory_limit is bytes per rank and must be positive, got "
+            f"{memory_limit!r}"
+        )
+    for name, value in (("bandwidth", bandwidth), ("latency", latency)):
+        if not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+            raise ValueError(f"mpmd.balance: {name} must be a non-negative number, got {value!r}")
+
+
+def search(
+    profile: Profile,
+    num_stages: int,
+    *,
+    schedule: Schedule | None = None,
+    num_ranks: int | None = None,
+    memory_limit: float | None = None,
+    bandwidth: float = 0.0,
+    latency: float = 0.0,
+) -> Balance:
+    """The split of `profile`'s units into `num_stages` stages with the shortest
+    simulated step under `schedule` on `num_ranks` ranks.
+
+    Every split when there are at most `EXHAUSTIVE_LIMIT`; otherwise a local
+    search from the even split and the min-max partition of forward +
+    backward time, which never returns a split slower than the even one. With
+    `memory_limit` (bytes per rank), only splits whose simulated peak
+    activation bytes stay within it on every rank. `bandwidth` (bytes per
+    second, 0: free) and `latency` (seconds per message) price transfers.
+    """
+    num_stages = check_num_stages(num_stages)
+    schedule, lowering = resolve_schedule(schedule, num_stages, num_ranks)
+    check_limits(memory_limit, bandwidth, latency)
+    units = len(profile.units)
+    if num_stages > units:
+        raise ValueError(
+            f"mpmd.balance: num_stages={num_stages} but the model has {units} unit(s) a stage "
+            f"can start at ({', '.join(repr(u) for u in profile.units)}); a stage holds at least "
+            f"one: use num_stages <= {units}, or cut inside a unit by hand with "
+            "mpmd.trace(..., split_before=[...]) or mpmd.mark_stage_end"
+        )
+    sim = _Simulator(profile, lowering, float(bandwidth), float(latency))
+    limit = float(memory_limit) if memory_limit is not None else None
+    even = _even_starts(units, num_stages)
+    if math.comb(units - 1, num_stages - 1) <= EXHAUSTIVE_LIMIT:
+        method = "exhaustive"
+        for cuts in itertools.combinations(range(1, units), num_stages - 1):
+            sim.evaluate((0, *cuts))
+    else:
+        method = "local search"
+        work = [f + b for f, b in zip(profile.forward, profile.backward, strict=True)]
+        seeds = [even, _min_max_starts(work, num_stages)]
+        if limit is not None:
+            seeds.append(_min_max_starts([float(a) for a in profile.activation_bytes], num_stages))
+        _local_search(sim, seeds, units, limit)
+    best = min(sim.cache.values(), key=lambda e: e.key(limit))
+    if limit is not None and max(best.peak) > limit:
+        rank = best.peak.index(max(best.peak))
+        smallest = "smallest" if method == "exhaustive" else "smallest found"
+        raise ValueError(
+            f"mpmd.balance: no split into {num_stages} stages keeps the simulated peak "
+            f"activation memory of every rank within memory_limit={human_bytes(limit)}; the "
+            f"{smallest} peak is {human_bytes(max(best.peak))} ({max(best.peak)} bytes, rank "
+            f"{rank}, split_before={_names(profile, best.starts)}); raise memory_limit, use "
+            "more stages or ranks, fewer microbatches in flight (OneFOneB rather than GPipe), "
+            "or recompute (PipelineRunner(recompute=...))"
+        )
+    even_eval = sim.evaluate(even)
+    bounds = itertools.pairwise([*best.starts, units])
+    stage_costs = tuple(
+        StageCost(units=profile.units[s:e], forward=f, backward=b, activation_bytes=a)
+        for (s, e), (f, b, a) in zip(bounds, sim.stages(best.starts), strict=True)
+    )
+    return Balance(
+        split_before=_names(profile, best.starts),
+        predicted_step=best.step,
+        stage_costs=stage_costs,
+        peak_activation_bytes=list(best.peak),
+        even_split_before=_names(profile, even),
+        even_step=even_eval.step,
+        schedule=schedule,
+        num_ranks=lowering.num_ranks,
+        method=method,
+        splits_simulated=len(sim.cache),
+        profile=profile,
+        timeline=sim.timeline(best.starts),
+    )
+
+
+def _names(profile: Profile, starts: tuple[int, ...]) -> list[str]:
+    return [profile.units[s] for s in starts[1:]]
+
+
+def simulate(
+    profile: Profile,
+    split_before: Sequence[str],
+    *,
+    schedule: Schedule | None = None,
+    num_ranks: int | None = None,
+    bandwidth: float = 0.0,
+    latency: float = 0.0,
+) -> Timeline:
+    """The simulated step of one split of `profile` (units named as in
+    `split_before`), priced as `search` prices every split."""
+    if isinstance(split_before, str):
+        raise TypeError(f"mpmd.balance: split_before must be a list, write [{split_before!r}]")
+    unknown = [u for u in split_before if u not in profile.units[1:]]
+    if unknown:
+        raise ValueError(
+            f"mpmd.balance: {unknown[0]!r} is not a unit a stage can start at; the profile's "
+            f"units are {', '.join(profile.units[1:])}"
+        )
+    starts = (0, *(profile.units.index(u) for u in split_before))
+    if list(starts) != sorted(set(starts)):
+        raise ValueError(
+            f"mpmd.balance: split_before={list(split_before)} must name units once each, "
+            "in the model's order"
+        )
+    num_stages = len(starts)
+    _, lowering = resolve_schedule(schedule, num_stages, num_ranks)
+    return _Simulator(profile, lowering, float(bandwidth), float(latency)).timeline(starts)
