@@ -18,8 +18,10 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from .. import _C
+from .names import aliases_of, tensor_names
 from .pipe import Pipe, StageSpec, TensorSpec, TransferInfo, static_numel
 from .plan import Plan, StageNodes
+from .stage import TracedStage
 
 __all__ = ["GraphBuilder"]
 
@@ -304,7 +306,7 @@ class GraphBuilder:
         plan: Plan,
         trace_again: Callable[[tuple[Any, ...], dict[str, Any]], Pipe] | None = None,
     ) -> Pipe:
-        aliases = _parameter_aliases(self.model)
+        aliases = aliases_of(tensor_names(self.model))
         stages = []
         graph_modules = []
         for s in range(plan.num_stages):
@@ -418,7 +420,7 @@ class GraphBuilder:
             )
         graph.output(tuple(env[n] for n in outputs))
         graph.lint()
-        gm = fx.GraphModule(root, graph, class_name=f"Stage{s}")
+        gm = TracedStage(root, graph, class_name=f"Stage{s}")
         _fix_buffer_persistence(gm, root)
         spec = StageSpec(
             index=s,
@@ -521,16 +523,6 @@ def _emit_recompute(
     for k, node in enumerate(results):
         env[node] = graph.call_function(operator.getitem, (call, k))
         env[node].meta = dict(node.meta)
-
-
-def _parameter_aliases(model: torch.nn.Module) -> dict[str, list[str]]:
-    """Every name of every parameter and buffer, keyed by each of its names."""
-    by_id: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    for name, b in model.named_buffers(remove_duplicate=False):
-        by_id.setdefault(id(b), []).append(name)
-    return {name: names for names in by_id.values() for name in names}
 
 
 def _install(root: torch.nn.Module, fqn: str, value: Any, persistent: bool) -> None:

@@ -34,6 +34,7 @@ import torch.utils._pytree as pytree
 
 from .builder import _input_names
 from .inputs import example_inputs
+from .names import aliases_of, tensor_names
 from .pipe import Pipe, StageSpec, TensorSpec, TransferInfo, place_tensor
 from .plan import Plan, StageNodes, TiedParameter, Transfer
 
@@ -69,11 +70,28 @@ class EagerStage(torch.nn.Module):
         self.written_buffers = written_buffers
         self._mirror()
 
+    traced = False
+
     @property
     def module(self) -> torch.nn.Module:
         """The user's stage module."""
         module: torch.nn.Module = self.__dict__["_mpmd_module"]
         return module
+
+    # ---- the Stage interface (graph/stage.py)
+
+    @property
+    def state_root(self) -> torch.nn.Module:
+        return self.module
+
+    def refresh_state(self) -> None:
+        self._mirror()
+
+    def ops_text(self) -> str:
+        return type(self).__name__
+
+    def retarget_devices(self, device: torch.device) -> None:
+        pass  # the user's code creates its tensors where it says
 
     def _mirror(self) -> None:
         """Registers the module's current parameters and buffers under their names."""
@@ -214,11 +232,7 @@ def _stage_names(
     by_id: dict[int, list[str]] = {}
     if model is not None:
         paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
-        for name, t in [
-            *model.named_parameters(remove_duplicate=False),
-            *model.named_buffers(remove_duplicate=False),
-        ]:
-            by_id.setdefault(id(t), []).append(name)
+        by_id = tensor_names(model)
     for i, stage in enumerate(stages):
         names: dict[str, str] = {}
         for owner_path, owner in stage.named_modules(remove_duplicate=False):
@@ -244,8 +258,7 @@ def _stage_names(
                     name = exact if exact in by_id[id(t)] else by_id[id(t)][0]
                 names[local] = name
         per_stage.append(names)
-    aliases = {name: names for names in by_id.values() for name in names}
-    return per_stage, aliases
+    return per_stage, aliases_of(by_id)
 
 
 class EagerPipe(Pipe):

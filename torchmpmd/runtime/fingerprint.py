@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.fx as fx
 import torch.utils._pytree as pytree
+
+from ..graph.stage import as_stage
 
 if TYPE_CHECKING:
     from ..graph.pipe import Pipe
@@ -44,22 +45,7 @@ def stable_hash(text: str) -> int:
 
 def describe(pipe: Pipe, program: Program, version: str) -> list[str]:
     """The configuration this rank was given, one text per field of FIELDS."""
-    graphs = []
-    for s in range(pipe.num_stages):
-        stage = pipe.stage(s)
-        if isinstance(stage, fx.GraphModule):
-            # Ops and their wiring, not their keyword arguments: a runner
-            # retargets the devices of its own stages' graphs.
-            graphs.append(
-                repr(
-                    [
-                        (n.op, str(n.target), [str(a) for a in n.all_input_nodes])
-                        for n in stage.graph.nodes
-                    ]
-                )
-            )
-        else:
-            graphs.append(type(stage).__name__)
+    graphs = [as_stage(pipe.stage(s)).ops_text() for s in range(pipe.num_stages)]
     split = [
         (spec.input_names, spec.output_names, spec.num_user_inputs, spec.num_sends)
         for spec in pipe.stage_specs

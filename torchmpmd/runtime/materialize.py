@@ -34,7 +34,7 @@ from typing import Any, cast
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..graph.eager import EagerStage
+from ..graph.stage import as_stage
 
 __all__: list[str] = []
 
@@ -80,7 +80,7 @@ class Allocation:
         writes through it; its local shard's does not.)"""
         for key, f in list(self._fresh.items()):
             module = modules[f.stage]
-            root = module.module if isinstance(module, EagerStage) else module
+            root = as_stage(module).state_root
             path, _, leaf = f.name.rpartition(".")
             try:
                 owner = root.get_submodule(path) if path else root
@@ -114,31 +114,6 @@ class Allocation:
         self._fresh.clear()
 
 
-def retarget_devices(module: torch.nn.Module, device: torch.device) -> None:
-    """Makes a traced stage create its tensors on `device`: the trace baked
-    the device it saw (`arange(..., device=meta)` for a meta model, `cpu`
-    for a model traced on the CPU) into the graph; every such device (those
-    of the stage's inputs, parameters and buffers when traced) becomes
-    `device`. Devices the model named otherwise are left alone."""
-    if not isinstance(module, torch.fx.GraphModule):
-        return
-    traced: set[torch.device] = set()
-    for node in module.graph.nodes:
-        val = node.meta.get("val")
-        if node.op in ("placeholder", "get_attr") and isinstance(val, torch.Tensor):
-            traced.add(val.device)
-    traced |= {t.device for t in [*module.parameters(), *module.buffers()]} - {device}
-    traced.add(torch.device("meta"))
-    changed = False
-    for node in module.graph.nodes:
-        value = node.kwargs.get("device")
-        if isinstance(value, torch.device) and value in traced and value != device:
-            node.kwargs = {**node.kwargs, "device": device}
-            changed = True
-    if changed:
-        module.recompile()
-
-
 def _slots(owner: torch.nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
     """A module's own parameter and buffer slots (name -> tensor or None)."""
     return cast(dict[str, Any], owner._parameters), cast(dict[str, Any], owner._buffers)
@@ -149,9 +124,9 @@ def allocate(modules: dict[int, torch.nn.Module], device: torch.device) -> Alloc
     `device` (one per tensor object: tied weights stay one tensor)."""
     allocation = Allocation()
     memo: dict[int, torch.Tensor] = {}
-    for stage, module in modules.items():
-        root = module.module if isinstance(module, EagerStage) else module
-        for path, owner in root.named_modules(remove_duplicate=False):
+    for index, module in modules.items():
+        stage = as_stage(module)
+        for path, owner in stage.state_root.named_modules(remove_duplicate=False):
             for slots in _slots(owner):
                 for leaf, t in list(slots.items()):
                     if t is None or not t.is_meta:
@@ -164,9 +139,8 @@ def allocate(modules: dict[int, torch.nn.Module], device: torch.device) -> Alloc
                             else empty
                         )
                     slots[leaf] = memo[id(t)]
-                    allocation.add(stage, f"{path}.{leaf}" if path else leaf, memo[id(t)])
-        if isinstance(module, EagerStage):
-            module._mirror()
+                    allocation.add(index, f"{path}.{leaf}" if path else leaf, memo[id(t)])
+        stage.refresh_state()
     return allocation
 
 
@@ -196,7 +170,8 @@ def init_weights(
                 local.setdefault(alias, t)
     held = {id(t) for t in local.values()}
     roots = [source] if source is not None else []
-    roots += [m.module for m in modules.values() if isinstance(m, EagerStage)]
+    # Stages cut by hand hold the user's own modules, not the model's.
+    roots += [stage.state_root for m in modules.values() if not (stage := as_stage(m)).traced]
     called = 0
     seen: set[int] = set()
     with _SWAP_LOCK, torch.no_grad():

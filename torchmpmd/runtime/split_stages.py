@@ -14,9 +14,9 @@ from typing import Any, Protocol
 import torch
 import torch.utils._pytree as pytree
 
-from ..graph.eager import EagerStage
 from ..graph.pipe import Pipe
 from ..graph.split import SplitStage
+from ..graph.stage import as_stage
 from .autograd_split import AutogradSplit
 from .microbatch import to_device
 
@@ -99,7 +99,7 @@ def build_split_stage(
     (an eager stage splits through autograd instead)."""
     pipe = stages.pipe
     module = stages.modules[stage]
-    if isinstance(module, EagerStage):
+    if not as_stage(module).traced:  # a stage cut by hand splits through autograd
         return AutogradSplit(list(module.parameters()))
     assert isinstance(module, torch.fx.GraphModule)
     spec = pipe.stage_specs[stage]

@@ -22,8 +22,9 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from ..graph.markers import compiled
 from ..graph.pipe import Pipe
 from ..graph.split import SELECTIVE_KEPT_OPS, SplitStage
+from ..graph.stage import as_stage
 from .autograd_split import AutogradSplit
-from .materialize import allocate, retarget_devices
+from .materialize import allocate
 from .microbatch import to_device
 from .rank_rng import checkpoint_rng, own_generator
 from .split_stages import autograd_forward, build_split_stage, split_inputs
@@ -83,7 +84,7 @@ class LocalStages:
         # A model traced on the meta device: this rank's stages only, allocated here.
         self.allocation = allocate(modules, device)
         for m in modules.values():
-            retarget_devices(m, device)
+            as_stage(m).retarget_devices(device)
         self.modules = {s: m.to(device) for s, m in modules.items()}
         # What forward calls: the stage's GraphModule, or its compiled form
         # (the module itself keeps the parameters under the model's names).
