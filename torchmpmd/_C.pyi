@@ -104,6 +104,21 @@ class schedule:
         def name(self) -> str: ...
         def __int__(self) -> int: ...
 
+    class TaskKindInfo:
+        letter: str
+        name: str
+        required: bool
+        backward: bool
+        backward_parts: int
+        in_forward_only: bool
+        emits_input_grads: bool
+        finishes_weight_grads: bool
+        recomputes: bool
+        after_own: str
+
+    @staticmethod
+    def task_kind_table() -> list[schedule.TaskKindInfo]: ...
+
     class Task:
         kind: schedule.TaskKind
         stage: int
@@ -257,6 +272,7 @@ class runtime:
         rank: int
         size: int
         name: str
+        device_type: str
         def send(self, tensor: torch.Tensor, peer: int, tag: int, timeout_s: float) -> None: ...
         def recv(self, tensor: torch.Tensor, peer: int, tag: int, timeout_s: float) -> None: ...
         def fail(self, reason: str) -> None: ...

@@ -103,6 +103,12 @@ void bind_runtime(py::module_ m) {
       .def_property_readonly("rank", &Transport::rank)
       .def_property_readonly("size", &Transport::size)
       .def_property_readonly("name", &Transport::name)
+      .def_property_readonly(
+          "device_type",
+          [](const Transport& t) {
+            return c10::DeviceTypeName(t.device_type(), /*lower_case=*/true);
+          },
+          "The device whose tensors it exchanges ('cpu', 'cuda').")
       .def("fail", &Transport::fail,
            "This rank failed: tell the other ranks and abort.",
            py::arg("reason"), py::call_guard<py::gil_scoped_release>())

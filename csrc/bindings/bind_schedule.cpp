@@ -16,6 +16,35 @@ void bind_schedule(py::module_ m) {
     kinds.value(std::string(1, k.letter).c_str(), k.kind, k.name);
   }
 
+  // The table itself, for Python's readers (schedule/kinds.py).
+  py::class_<TaskKindInfo>(m, "TaskKindInfo")
+      .def_property_readonly(
+          "letter",
+          [](const TaskKindInfo& k) { return std::string(1, k.letter); })
+      .def_property_readonly(
+          "name", [](const TaskKindInfo& k) { return std::string(k.name); })
+      .def_readonly("required", &TaskKindInfo::required)
+      .def_readonly("backward", &TaskKindInfo::backward)
+      .def_readonly("backward_parts", &TaskKindInfo::backward_parts)
+      .def_readonly("in_forward_only", &TaskKindInfo::in_forward_only)
+      .def_readonly("emits_input_grads", &TaskKindInfo::emits_input_grads)
+      .def_readonly("finishes_weight_grads",
+                    &TaskKindInfo::finishes_weight_grads)
+      .def_readonly("recomputes", &TaskKindInfo::recomputes)
+      .def_property_readonly("after_own", [](const TaskKindInfo& k) {
+        // Letters of the kinds of its own (stage, microbatch) it waits for
+        // (those only the schedule may have included).
+        std::string out;
+        for (const Dependency& d : k.needs) {
+          if (d.need == Need::kOwn || d.need == Need::kOwnIfScheduled) {
+            out += kind_letter(d.kind);
+          }
+        }
+        return out;
+      });
+  m.def("task_kind_table", &task_kinds,
+        "The task kinds, in enum order, with what each does.");
+
   py::class_<Task>(m, "Task")
       .def(py::init([](TaskKind kind, int32_t stage, int32_t microbatch) {
              return Task{kind, stage, microbatch};

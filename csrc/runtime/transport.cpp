@@ -274,7 +274,16 @@ void C10dTransport::fail(const std::string& reason) {
 int C10dTransport::rank() const { return group_->getRank(); }
 int C10dTransport::size() const { return group_->getSize(); }
 std::string C10dTransport::name() const { return group_->getBackendName(); }
-bool C10dTransport::pair_ordered() const { return name() != "gloo"; }
+bool C10dTransport::issues_in_pair_order() const { return name() != "gloo"; }
+bool C10dTransport::completion_means_delivered() const {
+  return name() == "gloo";
+}
+c10::DeviceType C10dTransport::device_type() const {
+  // A group made without naming a backend has Gloo for the CPU and NCCL for
+  // CUDA: it exchanges CUDA tensors when this process has a GPU.
+  const bool cuda = group_->hasBackendForDeviceType(c10::DeviceType::CUDA);
+  return cuda && at::hasCUDA() ? c10::DeviceType::CUDA : c10::DeviceType::CPU;
+}
 
 std::unique_ptr<Request> C10dTransport::isend(const at::Tensor& tensor,
                                               int peer, int64_t tag) {

@@ -122,7 +122,15 @@ class Transport {
   // on both ends (NCCL), rather than matched by tag whatever the order
   // (Gloo, in-process). Only then does the executor hold a receive back
   // behind an earlier send to the same peer.
-  virtual bool pair_ordered() const { return false; }
+  virtual bool issues_in_pair_order() const { return false; }
+  // Whether a completed request means the data has arrived (Gloo,
+  // in-process). A stream-ordered transport (NCCL) completes a receive
+  // before its data is there, so a peer's reply proves nothing about an
+  // earlier send.
+  virtual bool completion_means_delivered() const { return true; }
+  // The device whose tensors it exchanges: where a runner over it computes
+  // unless told otherwise.
+  virtual c10::DeviceType device_type() const { return c10::DeviceType::CPU; }
 
   // Failure handling (thread-safe). abort() makes every wait of this
   // transport, pending or later, fail at once with a TransportError of kind
@@ -167,7 +175,9 @@ class C10dTransport : public Transport {
   std::unique_ptr<Request> irecv(const at::Tensor& tensor, int peer,
                                  int64_t tag) override;
   std::string name() const override;
-  bool pair_ordered() const override;
+  bool issues_in_pair_order() const override;
+  bool completion_means_delivered() const override;
+  c10::DeviceType device_type() const override;
   void fail(const std::string& reason) override;
   void arm() override;
   void disarm() override;

@@ -35,6 +35,7 @@ std::vector<TaskKindInfo> make_table() {
              {Need::kOwnIfScheduled, TaskKind::kRecompute},
              {Need::kConsumerInputGrads, TaskKind::kBackward}};
   b.backward = true;
+  b.backward_parts = kWholeBackward;
   b.reads_grads = true;
   b.emits_input_grads = true;
   b.finishes_weight_grads = true;
@@ -45,6 +46,7 @@ std::vector<TaskKindInfo> make_table() {
   i.cost = &Costs::input_grad;
   i.needs = b.needs;
   i.backward = true;
+  i.backward_parts = kInputGradPart;
   i.reads_grads = true;
   i.emits_input_grads = true;
   i.memory = i.memory_if_recomputed = {-1, +1};
@@ -54,6 +56,7 @@ std::vector<TaskKindInfo> make_table() {
   w.cost = &Costs::weight_grad;
   w.needs = {{Need::kOwn, TaskKind::kInputGrad}};
   w.backward = true;
+  w.backward_parts = kWeightGradPart;
   w.finishes_weight_grads = true;
   w.memory = w.memory_if_recomputed = {0, -1};
   table.push_back(w);
@@ -68,6 +71,8 @@ std::vector<TaskKindInfo> make_table() {
   for (size_t k = 0; k < table.size(); ++k) {
     MPMD_INTERNAL_ASSERT(static_cast<size_t>(table[k].kind) == k,
                          "task kinds must be listed in enum order");
+    MPMD_INTERNAL_ASSERT(table[k].backward == (table[k].backward_parts != 0),
+                         "a backward kind computes a part of the backward");
   }
   MPMD_INTERNAL_ASSERT(table.size() == kNumTaskKinds);
   return table;

@@ -48,6 +48,17 @@ struct MemoryEffect {
   int8_t weight_only = 0;
 };
 
+// The parts of a (stage, microbatch)'s backward a kind computes. A program
+// with a backward must compute each part exactly once per (stage,
+// microbatch): with one kind holding both (B) or kinds holding one each (I
+// and W).
+enum BackwardPart : uint8_t {
+  kNoBackwardPart = 0,
+  kInputGradPart = 1,   // the gradients of the stage's inputs
+  kWeightGradPart = 2,  // the gradients of the stage's weights
+  kWholeBackward = kInputGradPart | kWeightGradPart,
+};
+
 struct TaskKindInfo {
   TaskKind kind = TaskKind::kForward;
   char letter = '?';
@@ -58,6 +69,8 @@ struct TaskKindInfo {
   bool required = false;
   // Part of the backward pass.
   bool backward = false;
+  // Which parts of the backward it computes (BackwardPart bits).
+  uint8_t backward_parts = kNoBackwardPart;
   // May run in a forward-only (evaluation) program.
   bool in_forward_only = false;
   // Receives it reads: activations of its stage's inputs, gradients of its

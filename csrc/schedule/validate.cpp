@@ -21,6 +21,70 @@ Task input_grad_producer(const TaskPositions& pos, int32_t stage, int32_t mb) {
   return last;
 }
 
+std::string kind_list_of(bool whole);
+
+// Each part of (stage, mb)'s backward (input and weight gradients) is
+// computed by exactly one of its tasks: the table's `backward_parts`.
+void check_backward_parts(const ScheduleSpec& spec, const TaskPositions& pos,
+                          int32_t s, int32_t m) {
+  const int32_t r = spec.placement[s];
+  uint8_t covered = kNoBackwardPart;
+  std::vector<Task> present;
+  std::string whole, split;  // "B(...)", "I(...) and W(...)": for messages
+  for (const TaskKindInfo& k : task_kinds()) {
+    if (k.backward_parts == kNoBackwardPart) continue;
+    const Task t{k.kind, s, m};
+    const bool full = k.backward_parts == kWholeBackward;
+    std::string& names = full ? whole : split;
+    names += detail::str_cat(names.empty() ? ""
+                             : full        ? " or "
+                                           : " and ",
+                             to_string(t));
+    if (!pos.has(t)) continue;
+    if (covered & k.backward_parts) {
+      const Task& other = present.front();
+      const bool other_full = info(other.kind).backward_parts == kWholeBackward;
+      const Task& shown = other_full ? other : t;
+      MPMD_CHECK(false, "schedule: stage ", s, " microbatch ", m,
+                 " has both a full backward ", to_string(shown),
+                 " and a split one (", kind_list_of(false),
+                 "); use one or the other",
+                 grid_for(spec, {{pos.at(shown).rank, pos.at(shown).index}}));
+    }
+    covered |= k.backward_parts;
+    present.push_back(t);
+  }
+  if (covered == kWholeBackward) return;
+  std::string has = "no backward";
+  if (!present.empty()) {
+    std::string got, missing;
+    for (const TaskKindInfo& k : task_kinds()) {
+      if (k.backward_parts == kNoBackwardPart ||
+          k.backward_parts == kWholeBackward) {
+        continue;
+      }
+      std::string& into = pos.has(Task{k.kind, s, m}) ? got : missing;
+      into += detail::str_cat(into.empty() ? "" : " and ", k.letter);
+    }
+    has = detail::str_cat(got, " but no ", missing);
+  }
+  MPMD_CHECK(false, "schedule: stage ", s, " microbatch ", m, " has ", has,
+             ": rank ", r, " must run ", whole, " or both ", split,
+             grid_for(spec, {}));
+}
+
+// The letters of the kinds that compute part of the backward ("I/W"), or
+// all of it.
+std::string kind_list_of(bool whole) {
+  std::string out;
+  for (const TaskKindInfo& k : task_kinds()) {
+    if (k.backward_parts == kNoBackwardPart) continue;
+    if ((k.backward_parts == kWholeBackward) != whole) continue;
+    out += detail::str_cat(out.empty() ? "" : "/", k.letter);
+  }
+  return out;
+}
+
 }  // namespace
 
 TaskPositions::TaskPositions(int32_t num_stages, int32_t num_microbatches)
@@ -131,23 +195,7 @@ TaskPositions locate(const PipelineGraph& graph, const ScheduleSpec& spec) {
         MPMD_CHECK(!k.required || pos.has(t), "schedule: task ", to_string(t),
                    " is missing: rank ", r, " must run it", grid_for(spec, {}));
       }
-      if (spec.forward_only) continue;
-      // The backward is either B, or I and W: a rule between kinds.
-      const Task b{TaskKind::kBackward, s, m};
-      const Task in{TaskKind::kInputGrad, s, m};
-      const Task w{TaskKind::kWeightGrad, s, m};
-      MPMD_CHECK(!(pos.has(b) && (pos.has(in) || pos.has(w))),
-                 "schedule: stage ", s, " microbatch ", m,
-                 " has both a full backward ", to_string(b),
-                 " and a split one (I/W); use one or the other",
-                 grid_for(spec, {{pos.at(b).rank, pos.at(b).index}}));
-      MPMD_CHECK(pos.has(b) || (pos.has(in) && pos.has(w)), "schedule: stage ",
-                 s, " microbatch ", m, " has ",
-                 pos.has(in)  ? "I but no W"
-                 : pos.has(w) ? "W but no I"
-                              : "no backward",
-                 ": rank ", r, " must run ", to_string(b), " or both ",
-                 to_string(in), " and ", to_string(w), grid_for(spec, {}));
+      if (!spec.forward_only) check_backward_parts(spec, pos, s, m);
     }
   }
   return pos;

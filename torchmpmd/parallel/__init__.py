@@ -4,7 +4,7 @@
 last backward)."""
 
 from .fsdp import Shard
-from .protocol import StageParallelism, wrap
+from .protocol import Placement, StageParallelism, names, register, wrap
 from .replicate import Replicate
 
-__all__ = ["Replicate", "Shard", "StageParallelism", "wrap"]
+__all__ = ["Placement", "Replicate", "Shard", "StageParallelism", "names", "register", "wrap"]

@@ -5,7 +5,9 @@ the one a runner's options ask for."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -14,10 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .fsdp import Parallelize, Shard
 from .replicate import Replicate
 
-if TYPE_CHECKING:
-    from collections.abc import Iterable
-
-__all__ = ["StageParallelism", "wrap"]
+__all__ = ["Placement", "StageParallelism", "names", "register", "wrap"]
 
 
 class StageParallelism(Protocol):
@@ -42,6 +41,46 @@ class StageParallelism(Protocol):
         """After a forward-only step."""
 
 
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a parallelism wraps a rank's stages: what its factory is given."""
+
+    mesh: DeviceMesh
+    dp_group: dist.ProcessGroup  # the mesh's "dp" dimension
+    stages: dict[int, torch.nn.Module]  # this rank's stages, by index
+    # The local copies of tied parameters: the pipeline sums their gradients
+    # across stages itself, so a parallelism keeps them whole.
+    tied: list[torch.nn.Parameter]
+    parallelize: Parallelize | None  # the user's own sharding function
+    bucket_bytes: int
+
+
+Factory = Callable[[Placement], StageParallelism]
+
+# The `data_parallel` options, each with what makes it.
+_KINDS: dict[str, Factory] = {}
+
+
+def register(name: str, factory: Factory) -> None:
+    """Makes `RunnerOptions(data_parallel=name)` wrap the stages with
+    `factory(placement)`."""
+    _KINDS[name] = factory
+
+
+def names() -> list[str]:
+    """The `data_parallel` options there are, in the order they were registered."""
+    return list(_KINDS)
+
+
+register(
+    "replicate",
+    lambda p: Replicate(
+        p.dp_group, {s: m.parameters() for s, m in p.stages.items()}, p.tied, p.bucket_bytes
+    ),
+)
+register("fsdp", lambda p: Shard(p.mesh["dp"], p.stages, p.tied, p.parallelize, p.bucket_bytes))
+
+
 def wrap(
     mode: str | None,
     mesh: DeviceMesh | None,
@@ -51,13 +90,9 @@ def wrap(
     parallelize: Parallelize | None,
     bucket_bytes: int,
 ) -> StageParallelism | None:
-    """The data parallelism `mode` ("replicate", "fsdp" or None) over the
+    """The data parallelism `mode` (a registered name, or None) over the
     mesh's "dp" dimension for this rank's `stages`."""
-    tied = list(tied)
-    if mode == "replicate" and dp_group is not None:
-        return Replicate(
-            dp_group, {s: m.parameters() for s, m in stages.items()}, tied, bucket_bytes
-        )
-    if mode == "fsdp" and mesh is not None:
-        return Shard(mesh["dp"], stages, tied, parallelize, bucket_bytes)
-    return None
+    if mode is None or mesh is None or dp_group is None:
+        return None
+    placement = Placement(mesh, dp_group, stages, list(tied), parallelize, bucket_bytes)
+    return _KINDS[mode](placement)

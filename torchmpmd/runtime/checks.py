@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from .. import parallel
 from ..graph.pipe import Pipe, TensorSpec
 from ..parallel.fsdp import Parallelize
 from ..schedule.task import is_index, recomputed_stages, require_schedule
@@ -136,8 +137,10 @@ def data_parallel_mode(
     not at all), checked before anything is compiled or exchanged."""
     has_dp = mesh is not None and "dp" in tuple(mesh.mesh_dim_names or ())
     mode = data_parallel or ("replicate" if has_dp else None)
-    if mode not in (None, "replicate", "fsdp"):
-        raise ValueError(f"data_parallel={mode!r}: use 'replicate' or 'fsdp'")
+    if mode is not None and mode not in parallel.names():
+        raise ValueError(
+            f"data_parallel={mode!r}: use {' or '.join(repr(n) for n in parallel.names())}"
+        )
     if parallelize is not None and mode != "fsdp":
         raise ValueError("parallelize= applies to data_parallel='fsdp'")
     if mode is not None and not has_dp:

@@ -249,23 +249,13 @@ def _mesh_groups(
     return pp, dp
 
 
-def pick_device(device: torch.device | str | None, group: dist.ProcessGroup | None) -> torch.device:
+def pick_device(device: torch.device | str | None, transport: Transport) -> torch.device:
     """The runner's device: the one given (a bare "cuda": this process's
-    current GPU), else the current GPU for an NCCL group, else the CPU."""
-    if device is not None:
-        device = torch.device(device)
-        if device == torch.device("cuda"):  # no index: this process's current GPU
-            return torch.device("cuda", torch.cuda.current_device())
-        return device
-    if group is not None and "nccl" in backends(group) and torch.cuda.is_available():
+    current GPU), else the one whose tensors the transport exchanges (its
+    own answer: the current GPU for an NCCL group, else the CPU)."""
+    if device is None:
+        device = transport.device_type
+    device = torch.device(device)
+    if device == torch.device("cuda"):  # no index: this process's current GPU
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def backends(group: dist.ProcessGroup | None) -> str:
-    """The group's backends by device, e.g. 'cpu:gloo,cuda:nccl': a group made
-    without naming a backend reports 'undefined' from get_backend."""
-    try:
-        return str(dist.get_backend_config(group)).lower()
-    except (AttributeError, ValueError, RuntimeError):
-        return str(dist.get_backend(group)).lower()
+    return device

@@ -22,6 +22,7 @@ import torch
 
 from .. import _C
 from ..graph.pipe import Pipe, TensorSpec
+from ..schedule.kinds import recomputes, splits_backward
 from ..schedule.program import Program, compile_schedule
 from ..schedule.task import Schedule
 from .microbatch import Microbatcher
@@ -99,7 +100,7 @@ class CompiledPipe:
             split=self._choose_split(options.split_backward),
             compile_options=options.compile_options,
             selective=set(options.selective_recompute) & set(self.local_stages),
-            recomputed={t.stage for t in self.program.tasks(self.rank) if t.kind == "R"},
+            recomputed={t.stage for t in self.program.tasks(self.rank) if recomputes(t.kind)},
         )
         # This rank's copy of each tied parameter it holds, by node id.
         self.tied_parameters: dict[int, torch.nn.Parameter] = {
@@ -162,7 +163,7 @@ class CompiledPipe:
         return self._eval_executor
 
     def _check_recompute(self) -> None:
-        recomputed = {t.stage for t in self.program.tasks(self.rank) if t.kind == "R"}
+        recomputed = {t.stage for t in self.program.tasks(self.rank) if recomputes(t.kind)}
         recomputed |= set(self._options.selective_recompute) & set(self.local_stages)
         for s in sorted(recomputed):
             if self.pipe.stage_specs[s].updates_buffers:
@@ -173,7 +174,7 @@ class CompiledPipe:
                 )
 
     def _choose_split(self, split_backward: bool | str) -> set[int]:
-        with_iw = {t.stage for t in self.program.tasks(self.rank) if t.kind in ("I", "W")}
+        with_iw = {t.stage for t in self.program.tasks(self.rank) if splits_backward(t.kind)}
         if split_backward == "auto":
             return with_iw
         if split_backward is True:

@@ -96,7 +96,7 @@ class PipelineRunner:
         self._pipe = pipe
         self.options = opts
         self.num_microbatches = schedule.num_microbatches
-        self.device = pick_device(device, group)
+        self.device = pick_device(device, link)
         if self.device.type == "meta":
             raise ValueError(
                 "PipelineRunner: device='meta' cannot run a step; the meta device is for tracing "

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from .. import _C
 from ..graph.pipe import Pipe
+from . import kinds
 from .costs import Costs, timeline_from_native
 from .task import Schedule, Task, check_placement, require_schedule
 from .timeline import Timeline
@@ -90,7 +91,7 @@ def _spec(
                     f"{type(schedule).__name__}.tasks: rank {r} position {i} is "
                     f"{type(t).__name__}, not mpmd.Task"
                 )
-            if forward_only and t.kind != "F":
+            if forward_only and not kinds.TABLE[t.kind].in_forward_only:
                 continue
             row.append(t._native())
         native.append(row)

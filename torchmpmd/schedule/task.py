@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from .. import _C
+from . import kinds
 
 __all__ = ["Schedule", "Task"]
 
@@ -174,17 +175,17 @@ class _Recompute(Schedule):
             )
         base = self._base.tasks(num_stages, num_ranks, num_microbatches)
         # Backwards the base schedule already recomputes keep their one R.
-        done = {(t.stage, t.microbatch) for rank in base for t in rank if t.kind == "R"}
+        done = {(t.stage, t.microbatch) for rank in base for t in rank if kinds.recomputes(t.kind)}
         out = []
         for rank in base:
             row = []
             for t in rank:
                 if (
-                    t.kind in ("B", "I")
+                    kinds.waits_for_recompute(t.kind)
                     and (self._stages is None or t.stage in self._stages)
                     and (t.stage, t.microbatch) not in done
                 ):
-                    row.append(Task("R", t.stage, t.microbatch))
+                    row.append(Task(kinds.RECOMPUTE, t.stage, t.microbatch))
                 row.append(t)
             out.append(row)
         return out
@@ -201,7 +202,9 @@ def recomputed_stages(schedule: Schedule, num_stages: int) -> frozenset[int]:
         own = frozenset(range(num_stages)) if schedule._stages is None else schedule._stages
         return own | recomputed_stages(schedule._base, num_stages)
     if isinstance(schedule, _ListSchedule):
-        return frozenset(t.stage for rank in schedule._lists for t in rank if t.kind == "R")
+        return frozenset(
+            t.stage for rank in schedule._lists for t in rank if kinds.recomputes(t.kind)
+        )
     return frozenset()
 
 
