@@ -31,25 +31,31 @@ def _mlp_pipe():
 
 def dies_mid_step(rank, world, victim):
     _, pipe = _mlp_pipe()
+    calls = None  # counted from the second step on
+
+    def wrap(at_rank, stage, module):
+        if (at_rank, stage) != (victim, victim):
+            return module
+
+        def crash(*args):
+            nonlocal calls
+            if calls is not None:
+                calls += 1
+                if calls == 2:  # second microbatch of the next step
+                    os._exit(17)
+            return module(*args)
+
+        return crash
+
     runner = mpmd.PipelineRunner(
         pipe,
         mpmd.schedules.OneFOneB(4),
         loss_fn=lambda out, y: (out - y).pow(2).mean(),
-        timeout=TIMEOUT,
+        options=mpmd.RunnerOptions(timeout=TIMEOUT, wrap_stage=wrap),
     )
     batch = torch.randn(8, 8, dtype=torch.float64)
     runner.step(batch, target=torch.zeros(8, 8, dtype=torch.float64))  # a healthy step first
-    if rank == victim:
-        module = runner._stages._calls[victim]
-
-        def crash(*args):
-            crash.calls += 1
-            if crash.calls == 2:  # second microbatch of the next step
-                os._exit(17)
-            return module(*args)
-
-        crash.calls = 0
-        runner._stages._calls[victim] = crash
+    calls = 0
     start = time.monotonic()
     try:
         runner.step(batch, target=torch.zeros(8, 8, dtype=torch.float64))
@@ -103,10 +109,9 @@ def raises_on_one_rank(rank, world, victim, where):
             raise KeyError("label 'cat' is not in the vocabulary")
         return _mse(out, y)
 
-    # The default timeout (300 s): peers must not wait it out.
-    runner = mpmd.PipelineRunner(pipe, mpmd.schedules.OneFOneB(4), loss_fn=loss_fn)
-    if where == "forward" and rank == victim:
-        module = runner._stages._calls[victim]
+    def wrap(at_rank, stage, module):
+        if where != "forward" or (at_rank, stage) != (victim, victim):
+            return module
 
         def bad(*args):
             calls["forward"] += 1
@@ -114,7 +119,15 @@ def raises_on_one_rank(rank, world, victim, where):
                 raise ValueError("stage input has NaNs")
             return module(*args)
 
-        runner._stages._calls[victim] = bad
+        return bad
+
+    # The default timeout (300 s): peers must not wait it out.
+    runner = mpmd.PipelineRunner(
+        pipe,
+        mpmd.schedules.OneFOneB(4),
+        loss_fn=loss_fn,
+        options=mpmd.RunnerOptions(wrap_stage=wrap),
+    )
     gen = torch.Generator().manual_seed(1)
     batch = torch.randn(8, 8, dtype=torch.float64, generator=gen)
     target = torch.randn(8, 8, dtype=torch.float64, generator=gen)

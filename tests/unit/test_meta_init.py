@@ -108,8 +108,8 @@ def test_meta_model_initialised_per_rank_trains_like_eager(schedule):
     for runner in local.runners:
         for name, t in runner.state_dict().items():
             torch.testing.assert_close(t, ref.state_dict()[name], rtol=0, atol=0, msg=name)
-        for s in runner.local_stages:
-            for name, b in runner._stages.modules[s].named_buffers():
+        for module in runner.local_modules():
+            for name, b in module.named_buffers():
                 torch.testing.assert_close(b, ref.get_buffer(name), rtol=0, atol=0, msg=name)
     x, y = _data(4 * M)
     local.step(x, target=y)

@@ -165,7 +165,7 @@ def test_nanogpt_tied_weights_are_initialised_equal_on_every_rank():
 
     # load_state_dict too: a per-rank state dict whose copies differ ends equal.
     other = GPT(config).double().state_dict()
-    local._on_all(lambda r: r.load_state_dict({k: v + r.rank for k, v in other.items()}))
+    local.on_all_ranks(lambda r: r.load_state_dict({k: v + r.rank for k, v in other.items()}))
     copies = _tied_copies(local, tie)
     assert torch.equal(copies[1][1], other["transformer.wte.weight"])
     assert torch.equal(copies[0][1], copies[1][1])

@@ -68,21 +68,32 @@ class _Crash(RuntimeError):
     pass
 
 
+def _on_stage(stage, wrapper):
+    """A `wrap_stage` hook: `wrapper(forward)` runs stage `stage` (on the rank holding it)."""
+    return lambda _rank, s, forward: wrapper(forward) if s == stage else forward
+
+
 def test_dead_peer_fails_every_rank_with_context():
     case, pipe, batch, target = _setup("mlp")
-    local = LocalPipeline(pipe, mpmd.schedules.OneFOneB(M), 4, loss_fn=case.loss, timeout=20)
-    runner = local.runners[2]
-    module = runner._stages._calls[2]
+    calls = 0
 
-    def dies(*args):
-        if args[0].shape and dies.calls == 1:  # second microbatch of stage 2
-            local.kill(2)
-            raise _Crash("rank 2 crashed")
-        dies.calls += 1
-        return module(*args)
+    def wrap(rank, stage, module):
+        if (rank, stage) != (2, 2):
+            return module
 
-    dies.calls = 0
-    runner._stages._calls[2] = dies
+        def dies(*args):
+            nonlocal calls
+            if args[0].shape and calls == 1:  # second microbatch of stage 2
+                local.kill(2)
+                raise _Crash("rank 2 crashed")
+            calls += 1
+            return module(*args)
+
+        return dies
+
+    local = LocalPipeline(
+        pipe, mpmd.schedules.OneFOneB(M), 4, loss_fn=case.loss, timeout=20, wrap_stage=wrap
+    )
     errors = {}
 
     def run(rank):
@@ -127,19 +138,24 @@ def test_failure_reaches_a_peer_waiting_outside_the_executor():
     it stops at once, with its own rank and call and the cause."""
     pipe = mpmd.trace(MLP(8, 4).double(), (torch.randn(2, 8).double(),), split_after=["layers.1"])
     batch = (torch.randn(2 * M, 8).double(),)
-    local = LocalPipeline(pipe, mpmd.schedules.GPipe(M), 2)  # the default 300 s timeout
-    runner = local.runners[1]
-    module = runner._stages._calls[1]
+    calls = 0
 
-    def fails_last(*args):
-        fails_last.calls += 1
-        if fails_last.calls == M:
-            time.sleep(0.2)  # rank 0 is waiting for the outputs by now
-            raise OverflowError("activations overflowed")
-        return module(*args)
+    def wrap(rank, stage, module):
+        if (rank, stage) != (1, 1):
+            return module
 
-    fails_last.calls = 0
-    runner._stages._calls[1] = fails_last
+        def fails_last(*args):
+            nonlocal calls
+            calls += 1
+            if calls == M:
+                time.sleep(0.2)  # rank 0 is waiting for the outputs by now
+                raise OverflowError("activations overflowed")
+            return module(*args)
+
+        return fails_last
+
+    # The default 300 s timeout.
+    local = LocalPipeline(pipe, mpmd.schedules.GPipe(M), 2, wrap_stage=wrap)
     start = time.monotonic()
     with pytest.raises(OverflowError, match="activations overflowed") as info:
         local.eval_step(*batch)
@@ -157,19 +173,24 @@ def test_failure_reaches_a_peer_waiting_outside_the_executor():
 
 def test_stuck_peer_times_out_with_context():
     case, pipe, batch, target = _setup("mlp")
-    local = LocalPipeline(pipe, mpmd.schedules.GPipe(M), 2, loss_fn=case.loss, timeout=1.0)
-    runner = local.runners[1]
-    module = runner._stages._calls[1]
+    slept = False
 
-    def stuck(*args):
-        if not stuck.slept:
-            stuck.slept = True
-            time.sleep(4.0)
-        return module(*args)
+    def wrap(rank, stage, module):
+        if (rank, stage) != (1, 1):
+            return module
 
-    stuck.slept = False
+        def stuck(*args):
+            nonlocal slept
+            if not slept:
+                slept = True
+                time.sleep(4.0)
+            return module(*args)
 
-    runner._stages._calls[1] = stuck
+        return stuck
+
+    local = LocalPipeline(
+        pipe, mpmd.schedules.GPipe(M), 2, loss_fn=case.loss, timeout=1.0, wrap_stage=wrap
+    )
     failed_after = {}
     start = time.monotonic()
 
@@ -197,10 +218,14 @@ def test_stuck_peer_times_out_with_context():
 
 def test_output_unlike_the_plan_is_rejected_before_it_is_sent():
     case, pipe, batch, target = _setup("mlp")
-    local = LocalPipeline(pipe, mpmd.schedules.GPipe(M), 2, loss_fn=case.loss, timeout=2.0)
-    runner = local.runners[0]
-    module = runner._stages._calls[0]
-    runner._stages._calls[0] = lambda *a: tuple(o[:, :3] for o in module(*a))
+    local = LocalPipeline(
+        pipe,
+        mpmd.schedules.GPipe(M),
+        2,
+        loss_fn=case.loss,
+        timeout=2.0,
+        wrap_stage=_on_stage(0, lambda module: lambda *a: tuple(o[:, :3] for o in module(*a))),
+    )
     with pytest.raises(mpmd.PipelineError) as err:
         local.step(*batch, target=target)
     assert re.search(
@@ -245,10 +270,14 @@ def test_stage_without_a_gradient_path_is_an_error():
     # autograd history (a region run without grad, a stray detach) would give
     # every earlier parameter no gradient, silently. It must fail instead.
     case, pipe, batch, target = _setup("mlp")
-    local = LocalPipeline(pipe, mpmd.schedules.OneFOneB(M), 2, loss_fn=case.loss, timeout=2.0)
-    runner = local.runners[0]
-    module = runner._stages._calls[0]
-    runner._stages._calls[0] = lambda *a: tuple(o.detach() for o in module(*a))
+    local = LocalPipeline(
+        pipe,
+        mpmd.schedules.OneFOneB(M),
+        2,
+        loss_fn=case.loss,
+        timeout=2.0,
+        wrap_stage=_on_stage(0, lambda module: lambda *a: tuple(o.detach() for o in module(*a))),
+    )
     with pytest.raises(mpmd.PipelineError) as err:
         local.step(*batch, target=target)
     assert re.search(
@@ -274,7 +303,7 @@ def test_loss_without_a_gradient_path_is_an_error():
 def test_split_stage_without_a_gradient_path_is_an_error():
     case, pipe, batch, target = _setup("mlp")
     local = LocalPipeline(pipe, mpmd.schedules.ZBV(M), 2, loss_fn=case.loss, timeout=2.0)
-    stage = local.runners[0]._stages.modules[0]
+    stage = local.runners[0].local_modules()[0]
     forward = stage.forward
     stage.forward = lambda *a: tuple(o.detach() for o in forward(*a))
     with pytest.raises(ValueError, match=r"stage 0 \(split into I/W\) computes '\w+' without a"):

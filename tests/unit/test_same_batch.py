@@ -106,7 +106,7 @@ def test_a_rank_given_another_batch_fails_every_rank_naming_both():
     (x0, y0), (x1, _) = _batch(8, seed=1), _batch(8, seed=2)
     runners = local.runners
     with pytest.raises(mpmd.PipelineError) as err:
-        local._on_all(lambda r: r.step(*((x0,) if r is runners[0] else (x1,)), target=y0))
+        local.on_all_ranks(lambda r: r.step(*((x0,) if r is runners[0] else (x1,)), target=y0))
     text = str(err.value)
     assert "were given different batches for call 1 (step): the same shapes" in text, text
     assert "rank 0" in text and "rank 1" in text, text
@@ -117,7 +117,7 @@ def test_batches_of_other_shapes_on_two_ranks_fail_naming_both_shapes():
     (x0, y0), (x1, y1) = _batch(8), _batch(12)
     runners = local.runners
     with pytest.raises(mpmd.PipelineError) as err:
-        local._on_all(
+        local.on_all_ranks(
             lambda r: r.step(x0 if r is runners[0] else x1, target=y0 if r is runners[0] else y1)
         )
     text = str(err.value)
@@ -129,7 +129,7 @@ def test_a_target_passed_only_where_the_loss_is_computed_is_accepted():
     model, local = _local()
     x, y = _batch(8)
     runners = local.runners
-    outs = local._on_all(lambda r: r.step(x, target=y if r is runners[1] else None))
+    outs = local.on_all_ranks(lambda r: r.step(x, target=y if r is runners[1] else None))
     torch.testing.assert_close(outs[0].loss, _plain_loss(model, x, y), rtol=1e-12, atol=1e-12)
 
 
@@ -210,7 +210,7 @@ def test_targets_given_on_both_sides_of_a_rank_without_one_are_compared():
     y = torch.randn(8, 4, dtype=torch.float64)
     targets = {0: y, 1: None, 2: y + 1}
     with pytest.raises(mpmd.PipelineError, match=r"given different batches.*passing on rank 0's"):
-        local._on_all(lambda r: r.step(x, target=targets[r.rank]))
+        local.on_all_ranks(lambda r: r.step(x, target=targets[r.rank]))
 
 
 def test_a_flattened_target_splits_with_its_examples():

@@ -41,7 +41,7 @@ def test_runners_on_a_local_world_match_gradient_accumulation_and_gather_timelin
     for out in outs:
         torch.testing.assert_close(out.loss, torch.stack(losses).double().mean())
 
-    gathered = local._on_all(lambda r: r.gather_timeline())
+    gathered = local.on_all_ranks(lambda r: r.gather_timeline())
 
     def fields(e: mpmd.TimelineEvent) -> tuple:
         return (e.rank, e.kind, e.stage, e.microbatch, e.start, e.end, e.held_bytes, e.kept_bytes)

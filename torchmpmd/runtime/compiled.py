@@ -14,6 +14,7 @@ shape keeps every program static.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ from ..graph.pipe import Pipe, TensorSpec
 from ..schedule.program import Program, compile_schedule
 from ..schedule.task import Schedule
 from .microbatch import Microbatcher
+from .options import StageWrapper
 from .stages import LocalStages, LossFn
 from .transport import Transport
 
@@ -64,6 +66,7 @@ class Options:
     compile_options: Mapping[str, Any] | None
     selective_recompute: frozenset[int] = frozenset()
     measure_memory: bool = False
+    wrap_stage: StageWrapper | None = None  # RunnerOptions.wrap_stage
 
 
 class CompiledPipe:
@@ -101,6 +104,8 @@ class CompiledPipe:
             selective=set(options.selective_recompute) & set(self.local_stages),
             recomputed={t.stage for t in self.program.tasks(self.rank) if t.kind == "R"},
         )
+        if options.wrap_stage is not None:
+            self.stages.wrap_forwards(functools.partial(options.wrap_stage, self.rank))
         # This rank's copy of each tied parameter it holds, by node id.
         self.tied_parameters: dict[int, torch.nn.Parameter] = {
             node: self.stages.modules[tied_names[id(param)][0]].get_parameter(
