@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 from harness import run_ranks
-from models import MLP
+from models import MLP, square_loss
 
 import torchmpmd as mpmd
 
@@ -50,7 +50,7 @@ def dies_mid_step(rank, world, victim):
     runner = mpmd.PipelineRunner(
         pipe,
         mpmd.schedules.OneFOneB(4),
-        loss_fn=lambda out, y: (out - y).pow(2).mean(),
+        loss_fn=square_loss,
         options=mpmd.RunnerOptions(timeout=TIMEOUT, wrap_stage=wrap),
     )
     batch = torch.randn(8, 8, dtype=torch.float64)
@@ -91,10 +91,6 @@ def test_rank_exits_mid_step():
 # ---- an exception on one rank (not a dead process) ----------------------------------------------
 
 
-def _mse(out, y):
-    return (out - y).pow(2).mean()
-
-
 def raises_on_one_rank(rank, world, victim, where):
     import torch.distributed as dist
 
@@ -107,7 +103,7 @@ def raises_on_one_rank(rank, world, victim, where):
         calls["loss"] += 1
         if where == "loss" and calls["loss"] == 6:  # microbatch 1 of the second step
             raise KeyError("label 'cat' is not in the vocabulary")
-        return _mse(out, y)
+        return square_loss(out, y)
 
     def wrap(at_rank, stage, module):
         if where != "forward" or (at_rank, stage) != (victim, victim):
@@ -151,13 +147,13 @@ def raises_on_one_rank(rank, world, victim, where):
     out["again_after"] = time.monotonic() - start
     # The recipe it gives works: a new group and runner, the same parameters.
     group = dist.new_group(list(range(world)))
-    fresh = mpmd.PipelineRunner(pipe, mpmd.schedules.OneFOneB(4), loss_fn=_mse, group=group)
+    fresh = mpmd.PipelineRunner(pipe, mpmd.schedules.OneFOneB(4), loss_fn=square_loss, group=group)
     for p in fresh.parameters():
         p.grad = None
     loss = fresh.step(batch, target=target).loss
-    (_mse(reference(batch[:2]), target[:2]) / 4).backward()  # microbatch 0 ...
+    (square_loss(reference(batch[:2]), target[:2]) / 4).backward()  # microbatch 0 ...
     for i in range(1, 4):
-        (_mse(reference(batch[2 * i : 2 * i + 2]), target[2 * i : 2 * i + 2]) / 4).backward()
+        (square_loss(reference(batch[2 * i : 2 * i + 2]), target[2 * i : 2 * i + 2]) / 4).backward()
     want = dict(reference.named_parameters())
     out["grad_error"] = max(
         (p.grad - want[n].grad).abs().max().item() for n, p in fresh.named_parameters()

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 from catalogue import Case, cases, clear_error
+from models import square_loss
 
 import torchmpmd as mpmd
 from torchmpmd.testing import LocalPipeline
@@ -31,12 +32,8 @@ def _pipe() -> mpmd.Pipe:
     return mpmd.trace(_model(), (torch.randn(2, 4),), split_before=["2"])
 
 
-def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return (out - y).square().mean()
-
-
 def _local(**kwargs: Any) -> LocalPipeline:
-    kwargs.setdefault("loss_fn", _mse)
+    kwargs.setdefault("loss_fn", square_loss)
     kwargs.setdefault("timeout", 5)
     return LocalPipeline(_pipe(), S.GPipe(M), 2, **kwargs)
 
@@ -363,7 +360,11 @@ def test_runners_given_different_jobs_fail_naming_the_difference():
     # check they would pair messages that do not belong together.
     local = _local()
     local.runners[1] = mpmd.PipelineRunner(
-        local.pipes[1], S.GPipe(4), transport=local.world.transport(1), loss_fn=_mse, timeout=5
+        local.pipes[1],
+        S.GPipe(4),
+        transport=local.world.transport(1),
+        loss_fn=square_loss,
+        timeout=5,
     )
     with pytest.raises(
         RuntimeError,
@@ -388,7 +389,7 @@ def test_a_stuck_rank_is_not_waited_for_past_the_timeout():
 
     def slow_loss(out, t):
         time.sleep(12)  # user code that hangs far past the 1 s timeout
-        return _mse(out, t)
+        return square_loss(out, t)
 
     local = _local(loss_fn=slow_loss, timeout=1)
     start = time.monotonic()

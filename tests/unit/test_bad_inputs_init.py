@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 from catalogue import Case, cases, clear_error
+from models import square_loss
 
 import torchmpmd as mpmd
 from torchmpmd.testing import LocalPipeline
@@ -31,7 +32,7 @@ def _pipe() -> mpmd.Pipe:
 
 
 def _local(num_ranks: int = 2, **kwargs: Any) -> LocalPipeline:
-    kwargs.setdefault("loss_fn", lambda out, y: (out - y).square().mean())
+    kwargs.setdefault("loss_fn", square_loss)
     kwargs.setdefault("timeout", 5)
     return LocalPipeline(_pipe(), S.GPipe(M), num_ranks, **kwargs)
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 from catalogue import Case, cases, clear_error
+from models import square_loss
 
 import torchmpmd as mpmd
 from torchmpmd.testing import LocalPipeline
@@ -28,12 +29,8 @@ def _pipe() -> mpmd.Pipe:
     return mpmd.trace(model, (torch.randn(2, 4),), split_before=["2"])
 
 
-def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return (out - y).square().mean()
-
-
 def _local(schedule: Any = None, **kwargs: Any) -> LocalPipeline:
-    kwargs.setdefault("loss_fn", _mse)
+    kwargs.setdefault("loss_fn", square_loss)
     kwargs.setdefault("timeout", 5)
     return LocalPipeline(_pipe(), S.GPipe(M) if schedule is None else schedule, 2, **kwargs)
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 from catalogue import Case, cases, clear_error
+from models import square_loss
 
 import torchmpmd as mpmd
 from torchmpmd.testing import LocalPipeline
@@ -23,13 +24,9 @@ def _model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
 
 
-def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return (out - y).square().mean()
-
-
 def _local() -> LocalPipeline:
     pipe = mpmd.trace(_model(), (torch.randn(2, 4),), split_before=["2"])
-    return LocalPipeline(pipe, S.GPipe(M), 2, loss_fn=_mse, timeout=5)
+    return LocalPipeline(pipe, S.GPipe(M), 2, loss_fn=square_loss, timeout=5)
 
 
 def _meta_pipe() -> mpmd.Pipe:
@@ -131,11 +128,11 @@ def test_a_replicated_pipe_keeps_non_persistent_buffers_out_of_its_state_dict():
     assert keys == sorted(model.state_dict())
     # Each rank of LocalPipeline holds a replica: a strict load of the
     # model's own state dict works, and the step equals the model's.
-    local = LocalPipeline(pipe, S.GPipe(M), 2, loss_fn=_mse, timeout=5)
+    local = LocalPipeline(pipe, S.GPipe(M), 2, loss_fn=square_loss, timeout=5)
     for runner in local.runners:
         runner.load_state_dict(model.state_dict())
     out = local.step(x, target=y)
     expected = torch.stack(
-        [_mse(model(a), b) for a, b in zip(x.chunk(M), y.chunk(M), strict=True)]
+        [square_loss(model(a), b) for a, b in zip(x.chunk(M), y.chunk(M), strict=True)]
     ).mean()
     torch.testing.assert_close(out[0].loss, expected.double(), rtol=1e-6, atol=1e-6)

@@ -9,6 +9,7 @@ would apply an update twice (recompute) is refused."""
 import pytest
 import torch
 import torch.nn as nn
+from models import square_loss
 from pipeline_check import trains_like_eager
 
 import torchmpmd as mpmd
@@ -28,10 +29,6 @@ class NormedMLP(nn.Module):
         return self.c(torch.relu(self.bn(self.a(x))))
 
 
-def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return (out - target).square().mean()
-
-
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(4 * M, 8, generator=g, dtype=torch.float64)
@@ -44,7 +41,7 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 def test_batch_norm_trains_like_gradient_accumulation(cls):
     x, y = _data()
     local, ref = trains_like_eager(
-        lambda: NormedMLP().double(), x, y, _loss, ["c"], cls(M), 2, steps=2
+        lambda: NormedMLP().double(), x, y, square_loss, ["c"], cls(M), 2, steps=2
     )
     state = local.runners[0].state_dict()
     for name in ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked"):
@@ -56,4 +53,4 @@ def test_recomputing_a_stage_that_updates_buffers_is_refused():
     pipe = mpmd.trace(NormedMLP().double(), (x[:4],), split_before=["c"])
     schedule = mpmd.schedules.GPipe(M).with_recompute()
     with pytest.raises(ValueError, match=r"stage 0 \(rank 0\) updates buffers in its forward"):
-        LocalPipeline(pipe, schedule, 2, loss_fn=_loss)
+        LocalPipeline(pipe, schedule, 2, loss_fn=square_loss)

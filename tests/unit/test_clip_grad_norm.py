@@ -5,29 +5,22 @@ every gradient scaled alike, the total norm returned on every rank."""
 
 import pytest
 import torch
-from models import CASES
 
 import torchmpmd as mpmd
-from torchmpmd.testing import LocalPipeline
 
 M = 4
 
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_clip_grad_norm_equals_the_unpipelined_model(norm_type, ranks):
-    case = CASES["gpt"]  # embedding tied to the output layer, across ranks
-    model = case.model(torch.float64)
-    ref = case.model(torch.float64)
-    args, _ = case.inputs(2)
-    pipe = mpmd.trace(model, args, **case.split)
+def test_clip_grad_norm_equals_the_unpipelined_model(
+    norm_type, ranks, gpt, reference, local_pipeline
+):
+    _case, pipe, batch, target = gpt  # embedding tied to the output layer, across ranks
     assert pipe.tied
-    local = LocalPipeline(pipe, mpmd.schedules.OneFOneB(M), ranks, loss_fn=case.loss, timeout=60)
-    batch, _ = case.inputs(2 * M)
-    target = case.target(2 * M)
+    local = local_pipeline(gpt, mpmd.schedules.OneFOneB(M), ranks)
     local.step(*batch, target=target)
-    for xb, yb in zip(batch[0].chunk(M), target.chunk(M), strict=True):
-        (case.loss(case.output(ref(xb)), yb) / M).backward()
+    ref, _ = reference(gpt)
     expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1, norm_type)
     norms = local.clip_grad_norm_(0.1, norm_type)
     for norm in norms:

@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 import torch.nn as nn
+from models import square_loss
 from pipeline_check import trains_like_eager
 
 import torchmpmd as mpmd
@@ -45,10 +46,6 @@ class Routed(nn.Module):
         return self.c(torch.relu(self.moe(self.a(x))))
 
 
-def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return (out - target).square().mean()
-
-
 def _case() -> tuple[Routed, Routed, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     model = Routed().double()
@@ -62,7 +59,7 @@ def _case() -> tuple[Routed, Routed, torch.Tensor, torch.Tensor]:
 def test_moe_routing_trains_exactly():
     _, _, x, y = _case()
     local, ref = trains_like_eager(
-        lambda: Routed().double(), x, y, _loss, ["moe", "c"], mpmd.schedules.OneFOneB(M), 3
+        lambda: Routed().double(), x, y, square_loss, ["moe", "c"], mpmd.schedules.OneFOneB(M), 3
     )
     checked = {n for r in local.runners for n, _ in r.named_parameters()}
     assert checked == {n for n, _ in ref.named_parameters()}
@@ -71,7 +68,7 @@ def test_moe_routing_trains_exactly():
 def test_split_backward_of_a_routed_stage_is_refused():
     model, _, x, y = _case()
     pipe = mpmd.trace(model, (x[:4],), split_before=["moe", "c"])
-    local = LocalPipeline(pipe, mpmd.schedules.ZeroBubbleH1(M), 3, loss_fn=_loss, timeout=30)
+    local = LocalPipeline(pipe, mpmd.schedules.ZeroBubbleH1(M), 3, loss_fn=square_loss, timeout=30)
     with pytest.raises(ValueError, match=r"stage 1: .* in module 'moe' computes a tensor whose"):
         local.step(x, target=y)
 

@@ -11,6 +11,7 @@ import re
 import pytest
 import torch
 import torch.nn as nn
+from models import eager_step, lm_loss, square_loss, token_pair
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchmpmd as mpmd
@@ -42,7 +43,7 @@ class Routed(nn.Module):
         return self.norm(out).reshape(h.shape)
 
 
-class Model(nn.Module):
+class RoutedLM(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(V, D)
@@ -57,7 +58,7 @@ class Model(nn.Module):
         return self.head(h)
 
 
-def _stages(model: Model) -> list[nn.Module]:
+def _stages(model: RoutedLM) -> list[nn.Module]:
     return [
         nn.Sequential(model.embed, model.blocks[0]),
         model.blocks[1],
@@ -66,33 +67,17 @@ def _stages(model: Model) -> list[nn.Module]:
     ]
 
 
-def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(out.reshape(-1, V), y.reshape(-1))
-
-
-def _tokens(batch: int, seq: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, V, (batch, seq), generator=g), torch.randint(
-        0, V, (batch, seq), generator=g
-    )
-
-
-def _pair() -> tuple[Model, Model]:
+def _pair() -> tuple[RoutedLM, RoutedLM]:
     torch.manual_seed(0)
-    model = Model().double()
-    ref = Model().double()
+    model = RoutedLM().double()
+    ref = RoutedLM().double()
     ref.load_state_dict(model.state_dict())
     return model, ref
 
 
-def _reference(ref: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def _eager_losses(ref: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     ref.zero_grad()
-    losses = []
-    for xb, yb in zip(x.tensor_split(M), y.tensor_split(M), strict=True):
-        loss = _loss(ref(xb), yb)
-        (loss / M).backward()
-        losses.append(loss.detach())
-    return torch.stack(losses).double()
+    return eager_step(lambda xb, yb: lm_loss(ref(xb), yb), x, y, M, torch.tensor_split).double()
 
 
 def _assert_grads(local: LocalPipeline, ref: nn.Module) -> None:
@@ -111,7 +96,7 @@ def _assert_grads(local: LocalPipeline, ref: nn.Module) -> None:
 
 def test_the_model_cannot_be_traced_and_the_error_points_here():
     model, _ = _pair()
-    x, _ = _tokens(2, 5)
+    x, _ = token_pair(V, 2, 5)
     with pytest.raises(Exception, match=re.escape("mpmd.from_stages")):
         mpmd.trace(model, (x,), split_before=["blocks.1"])
 
@@ -129,16 +114,16 @@ def test_the_model_cannot_be_traced_and_the_error_points_here():
 )
 def test_hand_cut_stages_train_like_eager(schedule, ranks):
     model, ref = _pair()
-    x, y = _tokens(4 * M, 5)
+    x, y = token_pair(V, 4 * M, 5)
     pipe = mpmd.from_stages(_stages(model), (x[:4],), model=model)
     assert pipe.tied == {"embed.weight": (0, 3)}
-    local = LocalPipeline(pipe, schedule, ranks, loss_fn=_loss, timeout=60)
+    local = LocalPipeline(pipe, schedule, ranks, loss_fn=lm_loss, timeout=60)
     for step in range(2):  # the second step accumulates onto the first
         if step == 0:
-            expected = _reference(ref, x, y)
+            expected = _eager_losses(ref, x, y)
         else:
             before = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
-            expected = _reference(ref, x, y)
+            expected = _eager_losses(ref, x, y)
             for n, p in ref.named_parameters():
                 if n in before:
                     p.grad += before[n]
@@ -151,7 +136,7 @@ def test_hand_cut_stages_train_like_eager(schedule, ranks):
 
 def test_names_follow_the_model_or_a_sequential_of_the_stages():
     model, _ = _pair()
-    x, _ = _tokens(2, 5)
+    x, _ = token_pair(V, 2, 5)
     named = mpmd.from_stages(_stages(model), (x,), model=model)
     state = {}
     for s in range(named.num_stages):
@@ -195,12 +180,9 @@ def test_buffers_train_and_the_probe_changes_nothing():
     assert torch.equal(stages[0][1].running_mean, stats)
     assert pipe.stage_specs[0].updates_buffers and not pipe.stage_specs[1].updates_buffers
 
-    def loss(o, t):
-        return (o - t).square().mean()
-
-    local = LocalPipeline(pipe, mpmd.schedules.OneFOneB(M), 2, loss_fn=loss, timeout=60)
+    local = LocalPipeline(pipe, mpmd.schedules.OneFOneB(M), 2, loss_fn=square_loss, timeout=60)
     for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True):
-        (loss(ref(xb), yb) / M).backward()
+        (square_loss(ref(xb), yb) / M).backward()
     local.step(x, target=y)
     state = local.runners[0].state_dict()
     torch.testing.assert_close(state["0.1.running_mean"], ref[0][1].running_mean)
@@ -212,12 +194,12 @@ def test_buffers_train_and_the_probe_changes_nothing():
 
 def test_shapes_change_and_the_last_batch_is_partial():
     model, ref = _pair()
-    x, _ = _tokens(4, 5)
+    x, _ = token_pair(V, 4, 5)
     pipe = mpmd.from_stages(_stages(model), (x[:1],), model=model)
-    local = LocalPipeline(pipe, mpmd.schedules.ZBV(M), 2, loss_fn=_loss, timeout=60)
+    local = LocalPipeline(pipe, mpmd.schedules.ZBV(M), 2, loss_fn=lm_loss, timeout=60)
     for batch, seq in [(4, 5), (8, 7), (6, 7), (8, 7)]:
-        x, y = _tokens(batch, seq, seed=batch + seq)
-        expected = _reference(ref, x, y)
+        x, y = token_pair(V, batch, seq, seed=batch + seq)
+        expected = _eager_losses(ref, x, y)
         for runner in local.runners:
             for p in runner.parameters():
                 p.grad = None

@@ -6,6 +6,7 @@ differentiate ("derivative for aten::copy is not implemented")."""
 import pytest
 import torch
 import torch.nn as nn
+from models import square_loss
 from pipeline_check import trains_like_eager
 
 import torchmpmd as mpmd
@@ -26,7 +27,7 @@ class HalfAndHalf(nn.Module):
         return t
 
 
-class Model(nn.Module):
+class FreshSlices(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.first = nn.Linear(8, 8)
@@ -42,10 +43,10 @@ def test_copy_into_a_fresh_tensor_trains_like_eager(cls):
     x = torch.randn(2 * M, 8, dtype=torch.float64)
     y = torch.randn(2 * M, 8, dtype=torch.float64)
     local, ref = trains_like_eager(
-        lambda: Model().double(),
+        lambda: FreshSlices().double(),
         x,
         y,
-        lambda out, y: (out - y).square().mean(),
+        square_loss,
         ["mix", "last"],
         cls(M),
         3,

@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 import torch.nn as nn
+from models import square_loss
 
 import torchmpmd as mpmd
 from torchmpmd.runtime.rank_rng import RankGenerators, own_generator
@@ -50,21 +51,17 @@ def _pipe() -> mpmd.Pipe:
     return mpmd.trace(_model(), (example,), split_before=["3"])
 
 
-def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return (out - y).square().mean()
-
-
 def _run(schedule: mpmd.Schedule, steps: int, **kwargs) -> tuple[torch.Tensor, dict]:
     """Losses of `steps` steps seeded once, and the gradients they summed."""
     x, y = _data()
-    local = LocalPipeline(_pipe(), schedule, 2, loss_fn=_mse, timeout=60, **kwargs)
+    local = LocalPipeline(_pipe(), schedule, 2, loss_fn=square_loss, timeout=60, **kwargs)
     torch.manual_seed(SEED)
     losses = torch.stack([local.step(x, target=y)[0].loss for _ in range(steps)])
     grads = {n: p.grad.clone() for r in local.runners for n, p in r.named_parameters()}
     return losses, grads
 
 
-def _reference(steps: int) -> tuple[torch.Tensor, dict, torch.Tensor]:
+def _as_two_processes(steps: int) -> tuple[torch.Tensor, dict, torch.Tensor]:
     """The same steps unpipelined: stage 0's forwards draw from one generator
     and stage 1's from another, both seeded SEED, as two processes seeded
     alike; each keeps its state from step to step. Also rank 0's state after."""
@@ -81,7 +78,7 @@ def _reference(steps: int) -> tuple[torch.Tensor, dict, torch.Tensor]:
             h = first(xb)
             states[0] = torch.get_rng_state()
             torch.set_rng_state(states[1])
-            loss = _mse(second(h), yb)
+            loss = square_loss(second(h), yb)
             states[1] = torch.get_rng_state()
             (loss / M).backward()
             step.append(loss.detach())
@@ -93,7 +90,7 @@ def _reference(steps: int) -> tuple[torch.Tensor, dict, torch.Tensor]:
 @pytest.mark.parametrize("recompute", [False, "selective", True])
 @pytest.mark.parametrize("cls", [S.OneFOneB, S.GPipe], ids=lambda c: c.__name__)
 def test_seeded_runs_give_what_seeded_processes_give(cls, recompute):
-    ref_losses, ref_grads, rank0_state = _reference(steps=2)
+    ref_losses, ref_grads, rank0_state = _as_two_processes(steps=2)
     losses, grads = _run(cls(M), steps=2, recompute=recompute)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-12, atol=1e-12)
     assert grads.keys() == ref_grads.keys()
@@ -120,7 +117,7 @@ def test_a_call_after_seeding_starts_every_rank_from_the_seed():
     # Seeded before each step, every step draws the same masks (each rank
     # restarts from the caller's new state); unseeded, the ranks continue.
     x, y = _data()
-    local = LocalPipeline(_pipe(), S.OneFOneB(M), 2, loss_fn=_mse, timeout=60)
+    local = LocalPipeline(_pipe(), S.OneFOneB(M), 2, loss_fn=square_loss, timeout=60)
     seeded = []
     for _ in range(2):
         torch.manual_seed(SEED)
@@ -128,7 +125,7 @@ def test_a_call_after_seeding_starts_every_rank_from_the_seed():
     assert torch.equal(seeded[0], seeded[1])
     unseeded = local.step(x, target=y)[0].loss
     assert not torch.equal(unseeded, seeded[0])
-    ref_losses, _, _ = _reference(steps=2)
+    ref_losses, _, _ = _as_two_processes(steps=2)
     torch.testing.assert_close(unseeded, ref_losses[1], rtol=1e-12, atol=1e-12)
 
 
@@ -182,7 +179,7 @@ def test_init_weights_on_ranks_as_threads_draws_as_processes_would():
     with torch.device("meta"):
         model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(4)))
     pipe = mpmd.trace(model, (torch.randn(2, 16, device="meta"),), split_before=["2"])
-    local = LocalPipeline(pipe, S.OneFOneB(M), 2, loss_fn=_mse, timeout=60)
+    local = LocalPipeline(pipe, S.OneFOneB(M), 2, loss_fn=square_loss, timeout=60)
     torch.manual_seed(SEED)
     local.init_weights(_init)
     for rank, layers in enumerate([(0, 1), (2, 3)]):

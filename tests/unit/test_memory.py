@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import CASES
-from pipeline_check import ALL, microbatches_for, mlp_memory_case, square_loss, stages_for, traced
+from models import CASES, square_loss
+from pipeline_check import ALL, microbatches_for, mlp_memory_case, stages_for, traced
 
 import torchmpmd as mpmd
 from torchmpmd.runtime.local import LocalWorld

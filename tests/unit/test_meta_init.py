@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn as nn
+from models import lm_loss, square_loss, token_pair
 
 import torchmpmd as mpmd
 from torchmpmd.testing import LocalPipeline
@@ -37,7 +38,7 @@ class Rotary(nn.Module):
         return h * torch.cat([angles.cos(), angles.sin()], dim=-1)
 
 
-class Model(nn.Module):
+class RotaryLM(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(V, D)
@@ -64,26 +65,19 @@ def init_fn(module: nn.Module) -> None:
         p.copy_((values / math.sqrt(n)).reshape(p.shape))
 
 
-def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(out.reshape(-1, V), y.reshape(-1))
-
-
 def _data(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return torch.randint(0, V, (batch, 6), generator=g), torch.randint(
-        0, V, (batch, 6), generator=g
-    )
+    return token_pair(V, batch, 6)
 
 
 def _meta_pipe() -> mpmd.Pipe:
     with torch.device("meta"):
-        model = Model().double()
+        model = RotaryLM().double()
     x, _ = _data(2)
     return mpmd.trace(model, (x,), split_before=["blocks.1", "blocks.2", "blocks.3"])
 
 
-def _reference() -> Model:
-    ref = Model().double()
+def _initialised_model() -> RotaryLM:
+    ref = RotaryLM().double()
     ref.apply(init_fn)
     return ref
 
@@ -94,7 +88,7 @@ def _reference() -> Model:
 def test_meta_model_initialised_per_rank_trains_like_eager(schedule):
     pipe = _meta_pipe()
     assert all(p.is_meta for p in pipe.parameters())
-    local = LocalPipeline(pipe, schedule, 2, loss_fn=_loss, timeout=60)
+    local = LocalPipeline(pipe, schedule, 2, loss_fn=lm_loss, timeout=60)
     for runner, replica in zip(local.runners, local.pipes, strict=True):
         for s in range(pipe.num_stages):
             tensors = [*replica.stage(s).parameters(), *replica.stage(s).buffers()]
@@ -104,7 +98,7 @@ def test_meta_model_initialised_per_rank_trains_like_eager(schedule):
             assert all(t.is_meta for t in tensors), s
         assert not any(p.is_meta for p in runner.parameters())
     local.init_weights(init_fn)  # collective: the tied embedding's copies travel
-    ref = _reference()
+    ref = _initialised_model()
     for runner in local.runners:
         for name, t in runner.state_dict().items():
             torch.testing.assert_close(t, ref.state_dict()[name], rtol=0, atol=0, msg=name)
@@ -114,7 +108,7 @@ def test_meta_model_initialised_per_rank_trains_like_eager(schedule):
     x, y = _data(4 * M)
     local.step(x, target=y)
     for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True):
-        (_loss(ref(xb), yb) / M).backward()
+        (lm_loss(ref(xb), yb) / M).backward()
     for runner in local.runners:
         for fqn, p in runner.named_parameters():
             torch.testing.assert_close(
@@ -124,24 +118,24 @@ def test_meta_model_initialised_per_rank_trains_like_eager(schedule):
 
 def test_unwritten_tensors_are_an_error_naming_them():
     pipe = _meta_pipe()
-    local = LocalPipeline(pipe, mpmd.schedules.GPipe(M), 2, loss_fn=_loss, timeout=10)
+    local = LocalPipeline(pipe, mpmd.schedules.GPipe(M), 2, loss_fn=lm_loss, timeout=10)
     x, y = _data(4 * M)
     with pytest.raises(RuntimeError, match=r"rank 0: the model was traced on the meta device and"):
         local.step(x, target=y)
     # A state dict fills parameters but not the non-persistent RoPE table.
-    ref = _reference()
-    local = LocalPipeline(pipe, mpmd.schedules.GPipe(M), 2, loss_fn=_loss, timeout=10)
+    ref = _initialised_model()
+    local = LocalPipeline(pipe, mpmd.schedules.GPipe(M), 2, loss_fn=lm_loss, timeout=10)
     local.load_state_dict(ref.state_dict())
     with pytest.raises(
         RuntimeError, match=r"'rotary.inv_freq' \(stage 0\) were allocated but never"
     ):
         local.step(x, target=y)
     # (A failed step leaves the in-process world with a dead rank: start anew.)
-    local = LocalPipeline(pipe, mpmd.schedules.GPipe(M), 2, loss_fn=_loss, timeout=10)
+    local = LocalPipeline(pipe, mpmd.schedules.GPipe(M), 2, loss_fn=lm_loss, timeout=10)
     local.load_state_dict(ref.state_dict())
     local.init_weights(lambda m: m.reset_parameters() if isinstance(m, Rotary) else None)
     out = local.step(x, target=y)
-    losses = [_loss(ref(xb), yb) for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True)]
+    losses = [lm_loss(ref(xb), yb) for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True)]
     torch.testing.assert_close(out[0].losses, torch.stack(losses), rtol=1e-12, atol=1e-12)
 
 
@@ -154,13 +148,11 @@ def test_eager_stages_on_the_meta_device():
     x = torch.randn(4 * M, D, dtype=torch.float64)
     y = torch.randn(4 * M, D, dtype=torch.float64)
     pipe = mpmd.from_stages(stages, (x[:4].to("meta"),))
-    local = LocalPipeline(
-        pipe, mpmd.schedules.OneFOneB(M), 2, loss_fn=lambda o, t: (o - t).square().mean()
-    )
+    local = LocalPipeline(pipe, mpmd.schedules.OneFOneB(M), 2, loss_fn=square_loss)
     local.init_weights(init_fn)
     local.step(x, target=y)
     for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True):
-        ((real(xb) - yb).square().mean() / M).backward()
+        (square_loss(real(xb), yb) / M).backward()
     for runner in local.runners:
         for fqn, p in runner.named_parameters():
             torch.testing.assert_close(p.grad, real.get_parameter(fqn).grad, msg=fqn)
@@ -173,9 +165,7 @@ def test_eager_meta_stages_take_new_shapes_without_allocating_others():
         stages = [nn.Sequential(nn.Linear(D, D), nn.Tanh()), nn.Linear(D, D)]
     stages = [s.double() for s in stages]
     pipe = mpmd.from_stages(stages, (torch.randn(4, D, dtype=torch.float64),))
-    local = LocalPipeline(
-        pipe, mpmd.schedules.OneFOneB(M), 2, loss_fn=lambda o, t: (o - t).square().mean()
-    )
+    local = LocalPipeline(pipe, mpmd.schedules.OneFOneB(M), 2, loss_fn=square_loss)
     local.init_weights(init_fn)
     x = torch.randn(3 * M, D, dtype=torch.float64)
     local.step(x, target=torch.zeros_like(x))
@@ -185,15 +175,15 @@ def test_eager_meta_stages_take_new_shapes_without_allocating_others():
 
 def test_meta_example_inputs_trace_the_same_plan():
     with torch.device("meta"):
-        model = Model().double()
+        model = RotaryLM().double()
     x, _ = _data(2)
     real = mpmd.trace(model, (x,), split_before=["blocks.2"])
     meta = mpmd.trace(model, (x.to("meta"),), split_before=["blocks.2"])
     assert [(t.name, t.spec) for t in meta.transfers] == [(t.name, t.spec) for t in real.transfers]
-    local = LocalPipeline(meta, mpmd.schedules.OneFOneB(M), 2, loss_fn=_loss, timeout=60)
-    ref = _reference()
+    local = LocalPipeline(meta, mpmd.schedules.OneFOneB(M), 2, loss_fn=lm_loss, timeout=60)
+    ref = _initialised_model()
     local.init_weights(init_fn)
     x, y = _data(4 * M)
     out = local.step(x, target=y)
-    losses = [_loss(ref(xb), yb) for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True)]
+    losses = [lm_loss(ref(xb), yb) for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True)]
     torch.testing.assert_close(out[0].losses, torch.stack(losses), rtol=1e-12, atol=1e-12)

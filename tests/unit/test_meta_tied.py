@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from models import eager_step, lm_loss, tokens
 from public_models import GPT, GPTConfig, LayerNorm, Transformer, TransformerModelArgs
-from torch.nn import functional as F
 
 import torchmpmd as mpmd
 from torchmpmd.testing import LocalPipeline
@@ -50,14 +50,6 @@ class TiedLM(nn.Module):
         return self.out(self.norm(h))
 
 
-def _lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-
-
-def _tokens(vocab: int, *shape: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
-
-
 def _merged_state(local: LocalPipeline) -> dict[str, torch.Tensor]:
     """Every rank's weights under the model's names, lower ranks first."""
     out: dict[str, torch.Tensor] = {}
@@ -81,11 +73,11 @@ def _check_step(
     local: LocalPipeline,
     ref: nn.Module,
     outs: list[mpmd.StepOutput],
-    losses: list[torch.Tensor],
+    losses: torch.Tensor,
     tol: float,
 ) -> None:
     for out in outs:
-        torch.testing.assert_close(out.losses, torch.stack(losses), rtol=tol, atol=tol)
+        torch.testing.assert_close(out.losses, losses, rtol=tol, atol=tol)
     for runner in local.runners:
         for fqn, p in runner.named_parameters():
             expected = ref.get_parameter(fqn).grad
@@ -96,20 +88,16 @@ def test_a_tie_held_by_some_ranks_only_describes_the_same_job():
     # 4 stages on 4 ranks: ranks 0 and 3 hold the tied pair, 1 and 2 do not.
     with torch.device("meta"):
         model = TiedLM().double()
-    ids = _tokens(32, 2, 6)
+    ids = tokens(32, 2, 6)
     pipe = mpmd.trace(model, (ids.to("meta"),), split_before=["blocks.1", "blocks.2", "blocks.3"])
-    local = LocalPipeline(pipe, mpmd.schedules.OneFOneB(M), 4, loss_fn=_lm_loss, timeout=60)
+    local = LocalPipeline(pipe, mpmd.schedules.OneFOneB(M), 4, loss_fn=lm_loss, timeout=60)
     assert [r.local_stages for r in local.runners] == [[0], [1], [2], [3]]
     torch.manual_seed(0)
     ref = TiedLM().double()
     local.load_state_dict(ref.state_dict())
-    x, y = _tokens(32, 4 * M, 6, seed=1), _tokens(32, 4 * M, 6, seed=2)
+    x, y = tokens(32, 4 * M, 6, seed=1), tokens(32, 4 * M, 6, seed=2)
     outs = local.step(x, target=y)
-    losses = []
-    for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True):
-        loss = _lm_loss(ref(xb), yb)
-        (loss / M).backward()
-        losses.append(loss.detach())
+    losses = eager_step(lambda xb, yb: lm_loss(ref(xb), yb), x, y, M)
     _check_step(local, ref, outs, losses, 1e-10)
 
 
@@ -118,22 +106,18 @@ def _check_nanogpt_step(local: LocalPipeline, config: GPTConfig) -> None:
     ref = GPT(config).double()
     state = _merged_state(local)
     ref.load_state_dict({**state, "lm_head.weight": state["transformer.wte.weight"]}, strict=True)
-    x = _tokens(config.vocab_size, 4 * M, 8, seed=3)
-    y = _tokens(config.vocab_size, 4 * M, 8, seed=4)
+    x = tokens(config.vocab_size, 4 * M, 8, seed=3)
+    y = tokens(config.vocab_size, 4 * M, 8, seed=4)
     outs = local.step(x, targets=y)
-    losses = []
-    for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True):
-        _, loss = ref(xb, targets=yb)
-        (loss / M).backward()
-        losses.append(loss.detach())
+    losses = eager_step(lambda xb, yb: ref(xb, targets=yb)[1], x, y, M)
     _check_step(local, ref, outs, losses, 1e-10)
 
 
 def _nanogpt_meta_pipe(config: GPTConfig) -> tuple[GPT, mpmd.Pipe]:
     with torch.device("meta"):
         model = GPT(config).double()
-    idx = _tokens(config.vocab_size, 2, 8).to("meta")
-    targets = _tokens(config.vocab_size, 2, 8, seed=1).to("meta")
+    idx = tokens(config.vocab_size, 2, 8).to("meta")
+    targets = tokens(config.vocab_size, 2, 8, seed=1).to("meta")
     return model, mpmd.trace(model, (idx,), {"targets": targets}, split_before=["transformer.h.1"])
 
 
@@ -179,8 +163,8 @@ def test_real_tied_copies_built_apart_are_equal_from_the_first_call():
     config = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=16)
     torch.manual_seed(0)
     model = GPT(config).double()
-    x = _tokens(config.vocab_size, 4 * M, 8, seed=3)
-    y = _tokens(config.vocab_size, 4 * M, 8, seed=4)
+    x = tokens(config.vocab_size, 4 * M, 8, seed=3)
+    y = tokens(config.vocab_size, 4 * M, 8, seed=4)
     pipe = mpmd.trace(model, (x[:4],), {"targets": y[:4]}, split_before=["transformer.h.1"])
     local = LocalPipeline(
         pipe, mpmd.schedules.OneFOneB(M), 2, loss_fn=lambda out, _: out[1], timeout=60
@@ -192,11 +176,7 @@ def test_real_tied_copies_built_apart_are_equal_from_the_first_call():
     copies = _tied_copies(local, tie)
     assert torch.equal(copies[0][1], copies[1][1])
     assert torch.equal(copies[0][1], model.transformer.wte.weight)
-    losses = []
-    for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True):
-        _, loss = model(xb, targets=yb)
-        (loss / M).backward()
-        losses.append(loss.detach())
+    losses = eager_step(lambda xb, yb: model(xb, targets=yb)[1], x, y, M)
     _check_step(local, model, outs, losses, 1e-10)
 
 
@@ -244,7 +224,7 @@ def test_a_rank_whose_stages_hold_no_tensor_takes_part_in_init_weights():
 
     with torch.device("meta"):
         model = Tied()
-    ids = _tokens(16, 2, 4).to("meta")
+    ids = tokens(16, 2, 4).to("meta")
     pipe = mpmd.trace(model, (ids,), split_before=["act", "out"])
     local = LocalPipeline(pipe, mpmd.schedules.GPipe(M), 3, timeout=30)
     local.init_weights(lambda m: nn.init.normal_(m.weight) if isinstance(m, nn.Embedding) else None)
@@ -292,9 +272,9 @@ def test_torchtitan_model_initialises_from_its_root(monkeypatch):
     args = _titan_args()
     with torch.device("meta"):
         model = Transformer(args).double()
-    tokens = _tokens(args.vocab_size, 2, 8).to("meta")
-    pipe = mpmd.trace(model, (tokens,), split_before=["layers.2"])
-    local = LocalPipeline(pipe, mpmd.schedules.OneFOneB(M), 2, loss_fn=_lm_loss, timeout=60)
+    ids = tokens(args.vocab_size, 2, 8).to("meta")
+    pipe = mpmd.trace(model, (ids,), split_before=["layers.2"])
+    local = LocalPipeline(pipe, mpmd.schedules.OneFOneB(M), 2, loss_fn=lm_loss, timeout=60)
     local.init_weights()
 
     ref = Transformer(args).double()
@@ -313,14 +293,10 @@ def test_torchtitan_model_initialises_from_its_root(monkeypatch):
     # The model keeps its meta tensors.
     assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])
 
-    x = _tokens(args.vocab_size, 4 * M, 8, seed=3)
-    y = _tokens(args.vocab_size, 4 * M, 8, seed=4)
+    x = tokens(args.vocab_size, 4 * M, 8, seed=3)
+    y = tokens(args.vocab_size, 4 * M, 8, seed=4)
     outs = local.step(x, target=y)
-    losses = []
-    for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True):
-        loss = _lm_loss(ref(xb), yb)
-        (loss / M).backward()
-        losses.append(loss.detach())
+    losses = eager_step(lambda xb, yb: lm_loss(ref(xb), yb), x, y, M)
     _check_step(local, ref, outs, losses, 1e-10)
 
 
@@ -331,10 +307,8 @@ def test_torchtitan_root_init_with_torch_random_numbers():
     args = _titan_args()
     with torch.device("meta"):
         model = Transformer(args).double()
-    pipe = mpmd.trace(
-        model, (_tokens(args.vocab_size, 2, 8).to("meta"),), split_before=["layers.2"]
-    )
-    local = LocalPipeline(pipe, mpmd.schedules.OneFOneB(M), 2, loss_fn=_lm_loss, timeout=60)
+    pipe = mpmd.trace(model, (tokens(args.vocab_size, 2, 8).to("meta"),), split_before=["layers.2"])
+    local = LocalPipeline(pipe, mpmd.schedules.OneFOneB(M), 2, loss_fn=lm_loss, timeout=60)
     local.init_weights()
     ref = Transformer(args).double()
     state = _merged_state(local)
@@ -346,12 +320,8 @@ def test_torchtitan_root_init_with_torch_random_numbers():
     std_3 = float(state["layers.3.feed_forward.w2.weight"].std())
     # 0.02 / sqrt(2) and 0.02 / sqrt(8): 2x apart, well beyond sampling noise.
     assert 1.6 < std_0 / std_3 < 2.5, (std_0, std_3)
-    x = _tokens(args.vocab_size, 4 * M, 8, seed=3)
-    y = _tokens(args.vocab_size, 4 * M, 8, seed=4)
+    x = tokens(args.vocab_size, 4 * M, 8, seed=3)
+    y = tokens(args.vocab_size, 4 * M, 8, seed=4)
     outs = local.step(x, target=y)
-    losses = []
-    for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True):
-        loss = _lm_loss(ref(xb), yb)
-        (loss / M).backward()
-        losses.append(loss.detach())
+    losses = eager_step(lambda xb, yb: lm_loss(ref(xb), yb), x, y, M)
     _check_step(local, ref, outs, losses, 1e-10)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from models import CASES
+from models import CASES, eager_step
 from pipeline_check import check, data, reference, traced
 
 import torchmpmd as mpmd
@@ -83,12 +83,8 @@ def _dropout_reference(x: torch.Tensor, y: torch.Tensor, seed: int):
     torch.manual_seed(0)
     model = _DropoutMLP().double()
     torch.manual_seed(seed)
-    losses = []
-    for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True):
-        loss = nn.functional.mse_loss(model(xb), yb)
-        (loss / M).backward()
-        losses.append(loss.detach())
-    return torch.stack(losses).mean(), {n: p.grad for n, p in model.named_parameters()}
+    losses = eager_step(lambda xb, yb: nn.functional.mse_loss(model(xb), yb), x, y, M)
+    return losses.mean(), {n: p.grad for n, p in model.named_parameters()}
 
 
 # Split stages draw their masks inside traced graphs (and tracing them at the

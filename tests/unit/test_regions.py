@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint as ckpt
+from models import square_loss
 from pipeline_check import trains_like_eager
 
 import torchmpmd as mpmd
@@ -46,15 +47,11 @@ class Regions(nn.Module):
         return self.c(h)
 
 
-def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return (out - target).square().mean()
-
-
 def _run(region: str, dtype: torch.dtype, cls: type, tol: float) -> None:
     x = torch.randn(2 * M, 8, dtype=dtype)
     y = torch.randn(2 * M, 8, dtype=dtype)
     local, ref = trains_like_eager(
-        lambda: Regions(region).to(dtype), x, y, _loss, ["b", "c"], cls(M), 3, tol=tol
+        lambda: Regions(region).to(dtype), x, y, square_loss, ["b", "c"], cls(M), 3, tol=tol
     )
     torch.testing.assert_close(local.pipes[0](x[:2]), ref(x[:2]), rtol=0, atol=0)
 
@@ -87,7 +84,7 @@ def test_bfloat16_parameters_train_like_eager(cls):
         lambda: Regions("plain").to(torch.bfloat16),
         x,
         y,
-        _loss,
+        square_loss,
         ["b", "c"],
         cls(M),
         3,

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from models import CASES, MLP
+from models import MLP
 
 import torchmpmd as mpmd
 from torchmpmd.testing import LocalPipeline
@@ -18,39 +18,16 @@ from torchmpmd.testing import LocalPipeline
 M = 4
 
 
-def _setup(name="gpt", dtype=torch.float64):
-    case = CASES[name]
-    model = case.model(dtype)
-    args, kwargs = case.inputs(2)
-    args = tuple(a.to(dtype) if a.is_floating_point() else a for a in args)
-    pipe = mpmd.trace(model, args, kwargs, **case.split)
-    batch, _ = case.inputs(2 * M)
-    batch = tuple(a.to(dtype) if a.is_floating_point() else a for a in batch)
-    target = case.target(2 * M)
-    if target.is_floating_point():
-        target = target.to(dtype)
-    return case, pipe, batch, target
-
-
-def _reference(case, batch, target, dtype=torch.float64):
-    ref = case.model(dtype)
-    losses = []
-    for a, y in zip(batch[0].chunk(M), target.chunk(M), strict=True):
-        loss = case.loss(case.output(ref(a)), y)
-        (loss / M).backward()
-        losses.append(loss.detach())
-    return ref, torch.stack(losses).double().mean()
-
-
 @pytest.mark.parametrize("schedule", ["GPipe", "OneFOneB"])
 @pytest.mark.parametrize("ranks", [2, 4])
 @pytest.mark.parametrize("name", ["gpt", "unet"])
-def test_threads_match_gradient_accumulation(name, ranks, schedule):
-    case, pipe, batch, target = _setup(name)
-    ref, ref_loss = _reference(case, batch, target)
-    local = LocalPipeline(
-        pipe, getattr(mpmd.schedules, schedule)(M), ranks, loss_fn=case.loss, timeout=30
-    )
+def test_threads_match_gradient_accumulation(
+    name, ranks, schedule, traced_case, reference, local_pipeline
+):
+    traced = traced_case(name)
+    _case, _pipe, batch, target = traced
+    ref, ref_loss = reference(traced)
+    local = local_pipeline(traced, getattr(mpmd.schedules, schedule)(M), ranks, timeout=30)
     outs = local.step(*batch, target=target)
     for out in outs:
         torch.testing.assert_close(out.loss, ref_loss, rtol=1e-12, atol=1e-12)
@@ -73,8 +50,8 @@ def _on_stage(stage, wrapper):
     return lambda _rank, s, forward: wrapper(forward) if s == stage else forward
 
 
-def test_dead_peer_fails_every_rank_with_context():
-    case, pipe, batch, target = _setup("mlp")
+def test_dead_peer_fails_every_rank_with_context(mlp):
+    case, pipe, batch, target = mlp
     calls = 0
 
     def wrap(rank, stage, module):
@@ -171,8 +148,8 @@ def test_failure_reaches_a_peer_waiting_outside_the_executor():
         local.eval_step(*batch)
 
 
-def test_stuck_peer_times_out_with_context():
-    case, pipe, batch, target = _setup("mlp")
+def test_stuck_peer_times_out_with_context(mlp):
+    case, pipe, batch, target = mlp
     slept = False
 
     def wrap(rank, stage, module):
@@ -216,8 +193,8 @@ def test_stuck_peer_times_out_with_context():
     assert "raise the timeout" in msg
 
 
-def test_output_unlike_the_plan_is_rejected_before_it_is_sent():
-    case, pipe, batch, target = _setup("mlp")
+def test_output_unlike_the_plan_is_rejected_before_it_is_sent(mlp):
+    case, pipe, batch, target = mlp
     local = LocalPipeline(
         pipe,
         mpmd.schedules.GPipe(M),
@@ -235,8 +212,8 @@ def test_output_unlike_the_plan_is_rejected_before_it_is_sent():
     ), str(err.value)
 
 
-def test_loss_must_be_a_scalar():
-    _case, pipe, batch, target = _setup("mlp")
+def test_loss_must_be_a_scalar(mlp):
+    _case, pipe, batch, target = mlp
     local = LocalPipeline(
         pipe, mpmd.schedules.GPipe(M), 2, loss_fn=lambda out, y: out - y, timeout=2
     )
@@ -246,8 +223,8 @@ def test_loss_must_be_a_scalar():
         local.step(*batch, target=target)
 
 
-def test_state_dict_round_trip_and_keys():
-    case, pipe, _batch, _target = _setup("gpt")
+def test_state_dict_round_trip_and_keys(gpt):
+    case, pipe, _batch, _target = gpt
     model = case.model(torch.float64)
     local = LocalPipeline(pipe, mpmd.schedules.GPipe(M), 2, loss_fn=case.loss)
     keys = set()
@@ -265,11 +242,11 @@ def test_state_dict_round_trip_and_keys():
         local.runners[1].load_state_dict({"tok.weight": other.tok.weight})
 
 
-def test_stage_without_a_gradient_path_is_an_error():
+def test_stage_without_a_gradient_path_is_an_error(mlp):
     # A stage whose output the plan differentiates but that comes out without
     # autograd history (a region run without grad, a stray detach) would give
     # every earlier parameter no gradient, silently. It must fail instead.
-    case, pipe, batch, target = _setup("mlp")
+    case, pipe, batch, target = mlp
     local = LocalPipeline(
         pipe,
         mpmd.schedules.OneFOneB(M),
@@ -287,8 +264,8 @@ def test_stage_without_a_gradient_path_is_an_error():
     ), str(err.value)
 
 
-def test_loss_without_a_gradient_path_is_an_error():
-    case, pipe, batch, target = _setup("mlp")
+def test_loss_without_a_gradient_path_is_an_error(mlp):
+    case, pipe, batch, target = mlp
     local = LocalPipeline(
         pipe,
         mpmd.schedules.OneFOneB(M),
@@ -300,8 +277,8 @@ def test_loss_without_a_gradient_path_is_an_error():
         local.step(*batch, target=target)
 
 
-def test_split_stage_without_a_gradient_path_is_an_error():
-    case, pipe, batch, target = _setup("mlp")
+def test_split_stage_without_a_gradient_path_is_an_error(mlp):
+    case, pipe, batch, target = mlp
     local = LocalPipeline(pipe, mpmd.schedules.ZBV(M), 2, loss_fn=case.loss, timeout=2.0)
     stage = local.runners[0].local_modules()[0]
     forward = stage.forward

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from models import square_loss
 
 import torchmpmd as mpmd
 from torchmpmd.testing import LocalPipeline
@@ -39,15 +40,11 @@ class Net(nn.Module):
         raise AssertionError(self.outputs)
 
 
-def _mse(out, y):
-    return (out - y).square().mean()
-
-
 def _local(outputs: str = "tensor", **kwargs) -> tuple[nn.Module, LocalPipeline]:
     torch.manual_seed(0)
     model = Net(outputs).double()
     pipe = mpmd.trace(model, (torch.randn(2, 4, dtype=torch.float64),), split_before=["b"])
-    kwargs.setdefault("loss_fn", _mse)
+    kwargs.setdefault("loss_fn", square_loss)
     return model, LocalPipeline(pipe, mpmd.schedules.OneFOneB(M), 2, timeout=10, **kwargs)
 
 
@@ -61,7 +58,10 @@ def _batch(rows: int = 8, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _plain_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.stack(
-        [_mse(model(a), b) for a, b in zip(x.tensor_split(M), y.tensor_split(M), strict=True)]
+        [
+            square_loss(model(a), b)
+            for a, b in zip(x.tensor_split(M), y.tensor_split(M), strict=True)
+        ]
     ).mean()
 
 
@@ -205,7 +205,7 @@ def test_targets_given_on_both_sides_of_a_rank_without_one_are_compared():
     pipe = mpmd.trace(
         model.double(), (torch.randn(2, 4, dtype=torch.float64),), split_before=["2", "4"]
     )
-    local = LocalPipeline(pipe, mpmd.schedules.OneFOneB(M), 3, loss_fn=_mse, timeout=10)
+    local = LocalPipeline(pipe, mpmd.schedules.OneFOneB(M), 3, loss_fn=square_loss, timeout=10)
     x, y = _batch(8)
     y = torch.randn(8, 4, dtype=torch.float64)
     targets = {0: y, 1: None, 2: y + 1}

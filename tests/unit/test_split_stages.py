@@ -7,6 +7,7 @@ on Swin while 1F1B was exact), and take a step without a target."""
 import pytest
 import torch
 import torch.nn as nn
+from models import square_loss
 from pipeline_check import trains_like_eager
 
 import torchmpmd as mpmd
@@ -27,15 +28,13 @@ class PooledMLP(nn.Module):
         return self.pool(h.transpose(1, 2)).flatten(1)  # as Swin pools its tokens
 
 
-def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return (out - target).square().mean()
-
-
 @pytest.mark.parametrize("cls", [mpmd.schedules.OneFOneB, mpmd.schedules.ZeroBubbleH1])
 def test_in_place_backward_formulas_survive_the_split(cls):
     x = torch.randn(2 * M, 5, 8, dtype=torch.float64)
     y = torch.randn(2 * M, 8, dtype=torch.float64)
-    local, ref = trains_like_eager(lambda: PooledMLP().double(), x, y, _loss, ["b", "c"], cls(M), 3)
+    local, ref = trains_like_eager(
+        lambda: PooledMLP().double(), x, y, square_loss, ["b", "c"], cls(M), 3
+    )
     checked = {n for r in local.runners for n, _ in r.named_parameters()}
     assert checked == {n for n, _ in ref.named_parameters()}
 

@@ -13,8 +13,8 @@ import math
 
 import torch
 import torch.nn as nn
+from models import eager_step, lm_loss, square_loss, tokens
 from public_models import GPT, GPTConfig
-from torch.nn import functional as F
 
 import torchmpmd as mpmd
 from torchmpmd.testing import LocalPipeline
@@ -27,22 +27,13 @@ def _gpt() -> GPT:
     return GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=16)).double()
 
 
-def _tokens(rows: int, t: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, 64, (rows, t), generator=torch.Generator().manual_seed(seed))
-
-
 def _own_loss(out: tuple[torch.Tensor, torch.Tensor], _target: object) -> torch.Tensor:
     return out[1]
 
 
 def _accumulated(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The plain model's loss over `M` microbatches, gradients accumulated."""
-    losses = []
-    for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True):
-        _, loss = model(xb, yb)
-        (loss / M).backward()
-        losses.append(loss.detach())
-    return torch.stack(losses).mean()
+    return eager_step(lambda xb, yb: model(xb, yb)[1], x, y, M).mean()
 
 
 def _assert_matches(local: LocalPipeline, ref: nn.Module, loss: torch.Tensor, out: list) -> None:
@@ -61,12 +52,12 @@ def _assert_matches(local: LocalPipeline, ref: nn.Module, loss: torch.Tensor, ou
 def test_nanogpt_given_its_batch_as_targets_keeps_them_separate():
     model = _gpt()
     ref = copy.deepcopy(model)
-    idx = _tokens(2, 8, seed=1)
+    idx = tokens(64, 2, 8, seed=1)
     pipe = mpmd.trace(model, (idx,), {"targets": idx}, split_before=["transformer.h.1"])
     assert pipe.input_names == ["args[0]", "targets"]
 
     # Called in this process, with other targets than the trace's.
-    y = _tokens(2, 8, seed=2)
+    y = tokens(64, 2, 8, seed=2)
     logits, loss = pipe(idx, targets=y)
     ref_logits, ref_loss = ref(idx, y)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
@@ -74,17 +65,17 @@ def test_nanogpt_given_its_batch_as_targets_keeps_them_separate():
 
     # The first step has the traced shapes: the traced program itself runs.
     local = LocalPipeline(pipe, mpmd.schedules.OneFOneB(M), 2, loss_fn=_own_loss, timeout=60)
-    x, y = _tokens(2 * M, 8, seed=3), _tokens(2 * M, 8, seed=4)
+    x, y = tokens(64, 2 * M, 8, seed=3), tokens(64, 2 * M, 8, seed=4)
     out = local.step(x, targets=y)
     assert [r.num_traces for r in local.runners] == [0, 0]
     _assert_matches(local, ref, _accumulated(ref, x, y), out)
 
     # A new shape given as its own targets is traced again from aliased
     # microbatches; the next step of that shape must still read its targets.
-    x6 = _tokens(2 * M, 6, seed=5)
+    x6 = tokens(64, 2 * M, 6, seed=5)
     local.step(x6, targets=x6)
     _accumulated(ref, x6, x6)
-    x6, y6 = _tokens(2 * M, 6, seed=6), _tokens(2 * M, 6, seed=7)
+    x6, y6 = tokens(64, 2 * M, 6, seed=6), tokens(64, 2 * M, 6, seed=7)
     for runner in local.runners:
         for p in runner.parameters():
             p.grad = None
@@ -127,16 +118,13 @@ def test_aliased_tensors_inside_a_nested_argument_are_separate_inputs():
         atol=1e-12,
     )
 
-    def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return (out - y).square().mean()
-
     y = torch.randn(2 * M, 5, 4, dtype=torch.float64)
-    local = LocalPipeline(pipe, mpmd.schedules.GPipe(M), 2, loss_fn=mse, timeout=60)
+    local = LocalPipeline(pipe, mpmd.schedules.GPipe(M), 2, loss_fn=square_loss, timeout=60)
     out = local.step({"query": q, "memory": (k, v)}, target=y)
     assert [r.num_traces for r in local.runners] == [0, 0]
     losses = []
     for qb, kb, vb, yb in zip(q.chunk(M), k.chunk(M), v.chunk(M), y.chunk(M), strict=True):
-        loss = mse(ref({"query": qb, "memory": (kb, vb)}), yb)
+        loss = square_loss(ref({"query": qb, "memory": (kb, vb)}), yb)
         (loss / M).backward()
         losses.append(loss.detach())
     for o in out:
@@ -178,10 +166,6 @@ class TransformerLM(nn.Module):
         return self.out(self.norm(h))
 
 
-def _lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, V), y.reshape(-1))
-
-
 @torch.no_grad()
 def _init(module: nn.Module) -> None:
     """Deterministic values, so each rank's part equals the reference's."""
@@ -194,7 +178,7 @@ def _init(module: nn.Module) -> None:
 def test_meta_model_traced_with_a_real_batch_trains_like_the_real_model():
     with torch.device("meta"):
         model = TransformerLM().double()
-    idx = _tokens(2, 6, seed=1) % V  # a real CPU batch
+    idx = tokens(64, 2, 6, seed=1) % V  # a real CPU batch
     pipe = mpmd.trace(model, (idx,), split_before=["layers.1"])
     assert all(p.is_meta for p in pipe.parameters())
     assert [str(s) for s in pipe.input_specs] == ["(2, 6) int64"]
@@ -204,21 +188,17 @@ def test_meta_model_traced_with_a_real_batch_trains_like_the_real_model():
     real = TransformerLM().double()
     real.load_state_dict(ref.state_dict())
     for fill in ("init_weights", "load_state_dict"):
-        local = LocalPipeline(pipe, mpmd.schedules.OneFOneB(M), 2, loss_fn=_lm_loss, timeout=60)
+        local = LocalPipeline(pipe, mpmd.schedules.OneFOneB(M), 2, loss_fn=lm_loss, timeout=60)
         for runner in local.runners:
             if fill == "init_weights":
                 runner.init_weights(_init)
             else:
                 runner.load_state_dict(real.state_dict())
-        x, y = _tokens(2 * M, 6, seed=2) % V, _tokens(2 * M, 6, seed=3) % V
+        x, y = tokens(64, 2 * M, 6, seed=2) % V, tokens(64, 2 * M, 6, seed=3) % V
         out = local.step(x, target=y)
-        losses = []
-        for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True):
-            loss = _lm_loss(ref(xb), yb)
-            (loss / M).backward()
-            losses.append(loss.detach())
+        losses = eager_step(lambda xb, yb: lm_loss(ref(xb), yb), x, y, M)
         for o in out:
-            torch.testing.assert_close(o.loss, torch.stack(losses).mean(), rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(o.loss, losses.mean(), rtol=1e-12, atol=1e-12)
         for runner in local.runners:
             for name, p in runner.named_parameters():
                 torch.testing.assert_close(
@@ -228,11 +208,11 @@ def test_meta_model_traced_with_a_real_batch_trains_like_the_real_model():
 
         # Another sequence length: traced again (from real microbatches) on
         # the meta model, then run with this rank's real weights.
-        x, y = _tokens(2 * M, 4, seed=4) % V, _tokens(2 * M, 4, seed=5) % V
+        x, y = tokens(64, 2 * M, 4, seed=4) % V, tokens(64, 2 * M, 4, seed=5) % V
         out = local.step(x, target=y)
         assert [r.num_traces for r in local.runners] == [1, 1]
         expected = torch.stack(
-            [_lm_loss(ref(xb), yb) for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True)]
+            [lm_loss(ref(xb), yb) for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True)]
         ).mean()
         for o in out:
             torch.testing.assert_close(o.loss, expected.detach(), rtol=1e-12, atol=1e-12)

@@ -5,7 +5,6 @@ with what to pass instead."""
 
 import pytest
 import torch
-from models import CASES
 
 import torchmpmd as mpmd
 from torchmpmd.runtime import LocalWorld, Transport
@@ -14,17 +13,8 @@ from torchmpmd.testing import LocalPipeline
 M = 4
 
 
-def _pipe():
-    case = CASES["gpt"]
-    model = case.model(torch.float64)
-    args, kwargs = case.inputs(2)
-    return case, mpmd.trace(model, args, kwargs, **case.split)
-
-
-def test_runners_on_a_local_world_match_gradient_accumulation_and_gather_timelines():
-    case, pipe = _pipe()
-    batch, _ = case.inputs(2 * M)
-    target = case.target(2 * M)
+def test_runners_on_a_local_world_match_gradient_accumulation_and_gather_timelines(gpt, reference):
+    case, pipe, batch, target = gpt
     world = LocalWorld(2)
     assert isinstance(world.transport(0), Transport)
     # The same public argument a user's own transport would take.
@@ -32,14 +22,9 @@ def test_runners_on_a_local_world_match_gradient_accumulation_and_gather_timelin
         pipe, mpmd.schedules.OneFOneB(M), 2, loss_fn=case.loss, timeout=30, measure_memory=True
     )
     outs = local.step(*batch, target=target)
-    ref = case.model(torch.float64)
-    losses = []
-    for a, y in zip(batch[0].chunk(M), target.chunk(M), strict=True):
-        loss = case.loss(case.output(ref(a)), y)
-        (loss / M).backward()
-        losses.append(loss.detach())
+    _ref, ref_loss = reference(gpt)
     for out in outs:
-        torch.testing.assert_close(out.loss, torch.stack(losses).double().mean())
+        torch.testing.assert_close(out.loss, ref_loss)
 
     gathered = local.on_all_ranks(lambda r: r.gather_timeline())
 
@@ -57,8 +42,8 @@ def test_runners_on_a_local_world_match_gradient_accumulation_and_gather_timelin
         assert tl.peak_activation_bytes == peaks
 
 
-def test_bad_transport_arguments_say_what_to_pass():
-    _, pipe = _pipe()
+def test_bad_transport_arguments_say_what_to_pass(gpt):
+    pipe = gpt.pipe
     schedule = mpmd.schedules.GPipe(M)
     with pytest.raises(TypeError, match="transport must be a torchmpmd transport, got str"):
         mpmd.PipelineRunner(pipe, schedule, transport="gloo")

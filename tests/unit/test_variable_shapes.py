@@ -5,7 +5,7 @@ tracing. Before, any shape other than the traced one was refused."""
 
 import pytest
 import torch
-from models import CASES
+from models import CASES, eager_step, token_pair
 
 import torchmpmd as mpmd
 from torchmpmd.testing import LocalPipeline
@@ -13,34 +13,27 @@ from torchmpmd.testing import LocalPipeline
 M = 4
 
 
-def _tokens(batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(batch * 100 + seq)
-    return torch.randint(0, 64, (batch, seq), generator=g), torch.randint(
-        0, 64, (batch, seq), generator=g
-    )
+def _batch(batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return token_pair(64, batch, seq, seed=batch * 100 + seq)
 
 
 def test_shapes_change_between_steps_and_each_is_traced_once():
     case = CASES["gpt"]  # tied embeddings across ranks, positions up to 16
     model = case.model(torch.float64)
     ref = case.model(torch.float64)
-    ids, _ = _tokens(2, 16)
+    ids, _ = _batch(2, 16)
     pipe = mpmd.trace(model, (ids,), **case.split)
     local = LocalPipeline(pipe, mpmd.schedules.OneFOneB(M), 2, loss_fn=case.loss, timeout=60)
     for batch, seq in [(8, 16), (4, 12), (8, 16), (12, 8), (4, 12)]:
-        x, y = _tokens(batch, seq)
+        x, y = _batch(batch, seq)
         ref.zero_grad()
-        losses = []
-        for xb, yb in zip(x.chunk(M), y.chunk(M), strict=True):
-            loss = case.loss(ref(xb), yb)
-            (loss / M).backward()
-            losses.append(loss.detach())
+        losses = eager_step(lambda xb, yb: case.loss(ref(xb), yb), x, y, M)
         for runner in local.runners:
             for p in runner.parameters():
                 p.grad = None
         outs = local.step(x, target=y)
         for out in outs:
-            torch.testing.assert_close(out.loss, torch.stack(losses).double().mean())
+            torch.testing.assert_close(out.loss, losses.double().mean())
         for runner in local.runners:
             for fqn, p in runner.named_parameters():
                 expected = ref.get_parameter(fqn).grad
@@ -51,15 +44,10 @@ def test_shapes_change_between_steps_and_each_is_traced_once():
     assert [r.num_traces for r in local.runners] == [2, 2]
 
 
-def _reference_step(case, ref, x, y):
+def _eager_losses(case, ref, x, y):
     """Eager gradient accumulation over the same pieces (tensor_split)."""
     ref.zero_grad()
-    losses = []
-    for xb, yb in zip(x.tensor_split(M), y.tensor_split(M), strict=True):
-        loss = case.loss(ref(xb), yb)
-        (loss / M).backward()
-        losses.append(loss.detach())
-    return torch.stack(losses).double()
+    return eager_step(lambda xb, yb: case.loss(ref(xb), yb), x, y, M, torch.tensor_split).double()
 
 
 @pytest.mark.parametrize("schedule", [mpmd.schedules.OneFOneB(M), mpmd.schedules.ZBV(M)])
@@ -69,13 +57,13 @@ def test_partial_last_batch_and_uneven_microbatches(schedule):
     case = CASES["gpt"]
     model = case.model(torch.float64)
     ref = case.model(torch.float64)
-    ids, _ = _tokens(2, 16)
+    ids, _ = _batch(2, 16)
     pipe = mpmd.trace(model, (ids,), **case.split)
     local = LocalPipeline(pipe, schedule, 2, loss_fn=case.loss, timeout=60)
     traces = []
     for batch, seq in [(8, 16), (10, 16), (10, 12), (10, 16), (5, 12)]:
-        x, y = _tokens(batch, seq)
-        expected = _reference_step(case, ref, x, y)
+        x, y = _batch(batch, seq)
+        expected = _eager_losses(case, ref, x, y)
         for runner in local.runners:
             for p in runner.parameters():
                 p.grad = None
@@ -97,9 +85,9 @@ def test_partial_last_batch_and_uneven_microbatches(schedule):
 
 def test_batch_smaller_than_the_number_of_microbatches():
     case = CASES["gpt"]
-    ids, _ = _tokens(2, 16)
+    ids, _ = _batch(2, 16)
     pipe = mpmd.trace(case.model(torch.float64), (ids,), **case.split)
     local = LocalPipeline(pipe, mpmd.schedules.GPipe(M), 2, loss_fn=case.loss)
-    x, y = _tokens(3, 16)
+    x, y = _batch(3, 16)
     with pytest.raises(ValueError, match="must split into 4 microbatches of at least one row"):
         local.runners[0].step(x, target=y)

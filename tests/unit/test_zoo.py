@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers as T
-from models import _gen
+from models import _gen, lm_loss
 
 import torchmpmd as mpmd
 from torchmpmd.testing import LocalPipeline
@@ -38,10 +38,10 @@ _DROPOUTS = (
 
 def _logits_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
     logits = out.logits if hasattr(out, "logits") else out["logits"]
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(), y.reshape(-1))
+    return lm_loss(logits.double(), y)
 
 
-def _tokens(b: int) -> tuple[tuple, dict]:
+def _input_ids(b: int) -> tuple[tuple, dict]:
     return (), {"input_ids": torch.randint(0, 96, (b, 8), generator=_gen(b)), "use_cache": False}
 
 
@@ -71,7 +71,7 @@ def _images(b: int) -> tuple[tuple, dict]:
 class Arch:
     build: Callable[[], nn.Module]
     split_before: list[str]
-    inputs: Callable[[int], tuple[tuple, dict]] = _tokens
+    inputs: Callable[[int], tuple[tuple, dict]] = _input_ids
     target: Callable[[int], torch.Tensor] = lambda b: torch.randint(
         0, 96, (b, 8), generator=_gen(b + 7)
     )
