@@ -3,7 +3,7 @@
 Under CI (CI=true) property tests replay a fixed sequence of examples, so a
 red build is reproducible; locally they explore.
 
-Markers (pyproject.toml): `slow` (over about 5 s on 2 cores) and
+Markers (pyproject.toml): `slow` (over about 2 s on 2 cores) and
 `multiprocess` (spawns processes: everything under tests/distributed, set
 here, and the unit tests marked so). `bash scripts/test.sh --fast` runs
 `-m "not slow and not multiprocess"`.

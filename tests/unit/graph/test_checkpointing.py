@@ -16,6 +16,9 @@ from pipeline_check import trains_like_eager
 import torchmpmd as mpmd
 from torchmpmd.graph.split import SplitStage
 
+# Every test here takes over ~2 s on 2 cores.
+pytestmark = pytest.mark.slow
+
 M = 4
 
 

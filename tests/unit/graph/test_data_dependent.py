@@ -56,6 +56,7 @@ def _case() -> tuple[Routed, Routed, torch.Tensor, torch.Tensor]:
     return model, ref, x, y
 
 
+@pytest.mark.slow
 def test_moe_routing_trains_exactly():
     _, _, x, y = _case()
     local, ref = trains_like_eager(
@@ -65,6 +66,7 @@ def test_moe_routing_trains_exactly():
     assert checked == {n for n, _ in ref.named_parameters()}
 
 
+@pytest.mark.slow
 def test_split_backward_of_a_routed_stage_is_refused():
     model, _, x, y = _case()
     pipe = mpmd.trace(model, (x[:4],), split_before=["moe", "c"])

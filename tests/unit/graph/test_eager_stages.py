@@ -112,6 +112,7 @@ def test_the_model_cannot_be_traced_and_the_error_points_here():
     ],
     ids=lambda v: type(v).__name__ if not isinstance(v, int) else f"{v}ranks",
 )
+@pytest.mark.slow
 def test_hand_cut_stages_train_like_eager(schedule, ranks):
     model, ref = _pair()
     x, y = token_pair(V, 4 * M, 5)
@@ -192,6 +193,7 @@ def test_buffers_train_and_the_probe_changes_nothing():
         torch.testing.assert_close(p.grad, ref.get_parameter(fqn).grad, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.slow
 def test_shapes_change_and_the_last_batch_is_partial():
     model, ref = _pair()
     x, _ = token_pair(V, 4, 5)

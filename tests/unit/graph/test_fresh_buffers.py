@@ -11,6 +11,9 @@ from pipeline_check import trains_like_eager
 
 import torchmpmd as mpmd
 
+# Every test here takes over ~2 s on 2 cores.
+pytestmark = pytest.mark.slow
+
 M = 4
 
 

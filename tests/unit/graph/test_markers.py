@@ -3,6 +3,7 @@ give the model's own values and gradients wherever the marker stands: inside
 `torch.no_grad()` (the gradient still flows through it) and right before an
 operation that export records only as a metadata check (a dtype cast)."""
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -48,5 +49,6 @@ def test_marker_under_no_grad_keeps_the_gradient():
     _compare("no_grad")
 
 
+@pytest.mark.slow
 def test_marker_before_a_checked_cast():
     _compare("cast")

@@ -29,6 +29,7 @@ class PooledMLP(nn.Module):
 
 
 @pytest.mark.parametrize("cls", [mpmd.schedules.OneFOneB, mpmd.schedules.ZeroBubbleH1])
+@pytest.mark.slow
 def test_in_place_backward_formulas_survive_the_split(cls):
     x = torch.randn(2 * M, 5, 8, dtype=torch.float64)
     y = torch.randn(2 * M, 8, dtype=torch.float64)
@@ -39,6 +40,7 @@ def test_in_place_backward_formulas_survive_the_split(cls):
     assert checked == {n for n, _ in ref.named_parameters()}
 
 
+@pytest.mark.slow
 def test_split_stages_step_without_a_target():
     x = torch.randn(2 * M, 5, 8, dtype=torch.float64)
     # No target: the loss function gets None.

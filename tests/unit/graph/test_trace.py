@@ -37,6 +37,7 @@ def _run(case, model, fn, args, kwargs):
     [(n, d) for n in SMALL for d in (torch.float32, torch.float64)]
     + [(n, torch.float32) for n in HF],
 )
+@pytest.mark.slow
 def test_pipe_matches_model_bitwise(name, dtype):
     case = CASES[name]
     if name.startswith("hf_"):
@@ -57,6 +58,7 @@ def test_pipe_matches_model_bitwise(name, dtype):
         assert_close(g, ref_grads[fqn], f"grad of {fqn}", exact=case.exact_grads)
 
 
+@pytest.mark.slow
 def test_stage_parameters_keep_model_names_and_are_shared():
     case = CASES["gpt"]
     model = case.model()
@@ -75,6 +77,7 @@ def test_stage_parameters_keep_model_names_and_are_shared():
     assert pipe.tied == {"head.weight": (0, 3)} or pipe.tied == {"tok.weight": (0, 3)}
 
 
+@pytest.mark.slow
 def test_state_dict_keys_match_model_including_non_persistent_buffers():
     pytest.importorskip("transformers")
     case = CASES["hf_llama"]
@@ -109,6 +112,7 @@ def test_unet_skip_is_one_direct_transfer_across_boundaries():
     assert skip.name in pipe.stage_specs[3].input_names
 
 
+@pytest.mark.slow
 def test_rope_tables_and_masks_are_recomputed_not_sent():
     pytest.importorskip("transformers")
     case = CASES["hf_llama"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import math
 
+import pytest
 import torch
 import torch.nn as nn
 from models import eager_step, lm_loss, square_loss, tokens
@@ -49,6 +50,7 @@ def _assert_matches(local: LocalPipeline, ref: nn.Module, loss: torch.Tensor, ou
         p.grad = None
 
 
+@pytest.mark.slow
 def test_nanogpt_given_its_batch_as_targets_keeps_them_separate():
     model = _gpt()
     ref = copy.deepcopy(model)
@@ -175,6 +177,7 @@ def _init(module: nn.Module) -> None:
         p.copy_((values / math.sqrt(n)).reshape(p.shape))
 
 
+@pytest.mark.slow
 def test_meta_model_traced_with_a_real_batch_trains_like_the_real_model():
     with torch.device("meta"):
         model = TransformerLM().double()

@@ -21,6 +21,9 @@ from models import _gen, lm_loss
 import torchmpmd as mpmd
 from torchmpmd.testing import LocalPipeline
 
+# Every test here takes over ~2 s on 2 cores.
+pytestmark = pytest.mark.slow
+
 M = 4
 _DROPOUTS = (
     "p",

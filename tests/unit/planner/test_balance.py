@@ -203,6 +203,7 @@ def test_big_embedding_and_head_move_the_split(one_thread):
     assert "split_before=" in text and "predicted step" in text and "head" in text
 
 
+@pytest.mark.slow
 def test_units_of_common_layouts():
     torch.manual_seed(0)
     ids = torch.randint(0, 64, (2, 16))
@@ -391,6 +392,7 @@ def _check_against_model(name, pipe, schedule, ranks):
         ("gpt", 4, S.ZBV(M), 2),
     ],
 )
+@pytest.mark.slow
 def test_trace_num_stages_matches_the_model(name, num_stages, schedule, ranks):
     case = CASES[name]
     model = case.model(torch.float64)

@@ -11,6 +11,9 @@ from pipeline_check import data, traced
 import torchmpmd as mpmd
 from torchmpmd.testing import LocalPipeline
 
+# Every test here takes over ~2 s on 2 cores.
+pytestmark = pytest.mark.slow
+
 S = mpmd.schedules
 M = 4
 

@@ -384,6 +384,7 @@ def test_local_pipeline_stays_usable_after_a_bad_call():
     assert torch.isfinite(out[0].loss)
 
 
+@pytest.mark.slow
 def test_a_stuck_rank_is_not_waited_for_past_the_timeout():
     import time
 
@@ -398,6 +399,7 @@ def test_a_stuck_rank_is_not_waited_for_past_the_timeout():
     assert time.monotonic() - start < 9.0
 
 
+@pytest.mark.slow
 def test_a_rank_that_skipped_a_step_fails_every_rank_naming_both_calls():
     # Rank 1's loop caught an exception and skipped its second step: without
     # the check, its third step would pair with rank 0's second and report

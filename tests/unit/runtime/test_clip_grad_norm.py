@@ -8,6 +8,9 @@ import torch
 
 import torchmpmd as mpmd
 
+# Every test here takes over ~2 s on 2 cores.
+pytestmark = pytest.mark.slow
+
 M = 4
 
 

@@ -3,12 +3,16 @@ its split stages (make_fx sets a process-wide flag) while another runs its
 compiled graphs, on a cold compile cache. Dynamo refuses to run an optimized
 function while any thread FX-traces, so the two must take turns."""
 
+import pytest
 import torch
 import torch._dynamo
 from pipeline_check import data, reference, traced
 
 import torchmpmd as mpmd
 from torchmpmd.testing import LocalPipeline
+
+# Every test here takes over ~2 s on 2 cores.
+pytestmark = pytest.mark.slow
 
 M = 4
 

@@ -18,6 +18,9 @@ import textwrap
 
 import pytest
 
+# Every test here takes over ~2 s on 2 cores and spawns processes.
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+
 CHILD = textwrap.dedent(
     """
     import json, resource, sys

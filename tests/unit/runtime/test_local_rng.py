@@ -89,6 +89,7 @@ def _as_two_processes(steps: int) -> tuple[torch.Tensor, dict, torch.Tensor]:
 
 @pytest.mark.parametrize("recompute", [False, "selective", True])
 @pytest.mark.parametrize("cls", [S.OneFOneB, S.GPipe], ids=lambda c: c.__name__)
+@pytest.mark.slow
 def test_seeded_runs_give_what_seeded_processes_give(cls, recompute):
     ref_losses, ref_grads, rank0_state = _as_two_processes(steps=2)
     losses, grads = _run(cls(M), steps=2, recompute=recompute)
@@ -102,6 +103,7 @@ def test_seeded_runs_give_what_seeded_processes_give(cls, recompute):
 
 @pytest.mark.parametrize("recompute", [False, "selective", True])
 @pytest.mark.parametrize("cls", [S.OneFOneB, S.ZeroBubbleH1], ids=lambda c: c.__name__)
+@pytest.mark.slow
 def test_identical_seeded_runs_are_bitwise_identical(cls, recompute):
     # ZB-H1's split stages also draw while tracing their F/I/W graphs at the
     # first step, on the rank's thread.

@@ -45,6 +45,7 @@ def test_measured_memory_is_what_the_plain_model_keeps(schedule, in_flight):
 
 
 @pytest.mark.parametrize("cls", ALL, ids=lambda c: c.__name__)
+@pytest.mark.slow
 def test_simulated_peak_is_within_10_percent_of_the_measured(cls):
     """The simulator, given the per-stage bytes measured in a run
     (`Costs.from_timeline`), predicts each rank's peak within 10%."""

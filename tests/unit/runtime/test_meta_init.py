@@ -85,6 +85,7 @@ def _initialised_model() -> RotaryLM:
 @pytest.mark.parametrize(
     "schedule", [mpmd.schedules.OneFOneB(M), mpmd.schedules.ZBV(M)], ids=lambda s: type(s).__name__
 )
+@pytest.mark.slow
 def test_meta_model_initialised_per_rank_trains_like_eager(schedule):
     pipe = _meta_pipe()
     assert all(p.is_meta for p in pipe.parameters())
@@ -116,6 +117,7 @@ def test_meta_model_initialised_per_rank_trains_like_eager(schedule):
             )
 
 
+@pytest.mark.slow
 def test_unwritten_tensors_are_an_error_naming_them():
     pipe = _meta_pipe()
     local = LocalPipeline(pipe, mpmd.schedules.GPipe(M), 2, loss_fn=lm_loss, timeout=10)
@@ -173,6 +175,7 @@ def test_eager_meta_stages_take_new_shapes_without_allocating_others():
     assert all(t.is_meta for t in local.pipes[0].stage(1).parameters())
 
 
+@pytest.mark.slow
 def test_meta_example_inputs_trace_the_same_plan():
     with torch.device("meta"):
         model = RotaryLM().double()

@@ -84,6 +84,7 @@ def _check_step(
             torch.testing.assert_close(p.grad, expected, rtol=tol, atol=tol, msg=fqn)
 
 
+@pytest.mark.slow
 def test_a_tie_held_by_some_ranks_only_describes_the_same_job():
     # 4 stages on 4 ranks: ranks 0 and 3 hold the tied pair, 1 and 2 do not.
     with torch.device("meta"):
@@ -121,6 +122,7 @@ def _nanogpt_meta_pipe(config: GPTConfig) -> tuple[GPT, mpmd.Pipe]:
     return model, mpmd.trace(model, (idx,), {"targets": targets}, split_before=["transformer.h.1"])
 
 
+@pytest.mark.slow
 def test_nanogpt_tied_weights_are_initialised_equal_on_every_rank():
     config = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=16)
     model, pipe = _nanogpt_meta_pipe(config)
@@ -155,6 +157,7 @@ def test_nanogpt_tied_weights_are_initialised_equal_on_every_rank():
     assert torch.equal(copies[0][1], copies[1][1])
 
 
+@pytest.mark.slow
 def test_real_tied_copies_built_apart_are_equal_from_the_first_call():
     # A real model built on each rank from its own seed gives each rank its
     # own copy of the tied weight: they must not train apart. At the first
@@ -180,6 +183,7 @@ def test_real_tied_copies_built_apart_are_equal_from_the_first_call():
     _check_step(local, model, outs, losses, 1e-10)
 
 
+@pytest.mark.slow
 def test_an_init_that_assigns_new_parameters_keeps_the_tie():
     # An init function may assign a new parameter rather than write the one
     # it finds: its values must reach the tensor the tie map, the executor
@@ -267,6 +271,7 @@ def _deterministic_init(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(nn.init, "trunc_normal_", trunc_normal_)
 
 
+@pytest.mark.slow
 def test_torchtitan_model_initialises_from_its_root(monkeypatch):
     _deterministic_init(monkeypatch)
     args = _titan_args()
@@ -300,6 +305,7 @@ def test_torchtitan_model_initialises_from_its_root(monkeypatch):
     _check_step(local, ref, outs, losses, 1e-10)
 
 
+@pytest.mark.slow
 def test_torchtitan_root_init_with_torch_random_numbers():
     # Unpatched: the values are random, so the check is that the step equals
     # the plain model holding the runners' weights, the RoPE table is right,

@@ -141,6 +141,7 @@ def test_recompute_keeps_one_microbatch_of_activations_per_stage():
 
 @pytest.mark.parametrize("cls", [S.OneFOneB, S.ZeroBubbleH1])
 @pytest.mark.parametrize("policy", ["selective", {0: "selective", 1: "full"}])
+@pytest.mark.slow
 def test_selective_recompute_matches_gradient_accumulation(cls, policy):
     pipe = traced("gpt", 2)
     local = LocalPipeline(pipe, cls(M), 2, loss_fn=CASES["gpt"].loss, timeout=60, recompute=policy)

@@ -21,6 +21,7 @@ M = 4
 @pytest.mark.parametrize("schedule", ["GPipe", "OneFOneB"])
 @pytest.mark.parametrize("ranks", [2, 4])
 @pytest.mark.parametrize("name", ["gpt", "unet"])
+@pytest.mark.slow
 def test_threads_match_gradient_accumulation(
     name, ranks, schedule, traced_case, reference, local_pipeline
 ):
@@ -148,6 +149,7 @@ def test_failure_reaches_a_peer_waiting_outside_the_executor():
         local.eval_step(*batch)
 
 
+@pytest.mark.slow
 def test_stuck_peer_times_out_with_context(mlp):
     case, pipe, batch, target = mlp
     slept = False
@@ -193,6 +195,7 @@ def test_stuck_peer_times_out_with_context(mlp):
     assert "raise the timeout" in msg
 
 
+@pytest.mark.slow
 def test_output_unlike_the_plan_is_rejected_before_it_is_sent(mlp):
     case, pipe, batch, target = mlp
     local = LocalPipeline(
@@ -223,6 +226,7 @@ def test_loss_must_be_a_scalar(mlp):
         local.step(*batch, target=target)
 
 
+@pytest.mark.slow
 def test_state_dict_round_trip_and_keys(gpt):
     case, pipe, _batch, _target = gpt
     model = case.model(torch.float64)

@@ -65,6 +65,7 @@ def _plain_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Ten
     ).mean()
 
 
+@pytest.mark.slow
 def test_a_target_with_other_rows_than_the_batch_is_refused_naming_both_shapes():
     model, local = _local()
     x, y = _batch(8)
@@ -112,6 +113,7 @@ def test_a_rank_given_another_batch_fails_every_rank_naming_both():
     assert "rank 0" in text and "rank 1" in text, text
 
 
+@pytest.mark.slow
 def test_batches_of_other_shapes_on_two_ranks_fail_naming_both_shapes():
     _, local = _local()
     (x0, y0), (x1, y1) = _batch(8), _batch(12)
@@ -133,6 +135,7 @@ def test_a_target_passed_only_where_the_loss_is_computed_is_accepted():
     torch.testing.assert_close(outs[0].loss, _plain_loss(model, x, y), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_eval_step_refuses_outputs_it_cannot_rebuild_from_microbatches():
     # The issue's model returns (o, o.sum(), o.shape[0]): eval_step on 8
     # rows returned a 4-vector for the sum and 2 for the row count.
@@ -213,6 +216,7 @@ def test_targets_given_on_both_sides_of_a_rank_without_one_are_compared():
         local.on_all_ranks(lambda r: r.step(x, target=targets[r.rank]))
 
 
+@pytest.mark.slow
 def test_a_flattened_target_splits_with_its_examples():
     # A (batch * seq,) target of a (batch, seq, features) batch: each
     # microbatch takes its own examples' rows, also when the batch does not

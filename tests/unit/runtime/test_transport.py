@@ -13,6 +13,7 @@ from torchmpmd.testing import LocalPipeline
 M = 4
 
 
+@pytest.mark.slow
 def test_runners_on_a_local_world_match_gradient_accumulation_and_gather_timelines(gpt, reference):
     case, pipe, batch, target = gpt
     world = LocalWorld(2)

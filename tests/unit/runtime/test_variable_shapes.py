@@ -17,6 +17,7 @@ def _batch(batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     return token_pair(64, batch, seq, seed=batch * 100 + seq)
 
 
+@pytest.mark.slow
 def test_shapes_change_between_steps_and_each_is_traced_once():
     case = CASES["gpt"]  # tied embeddings across ranks, positions up to 16
     model = case.model(torch.float64)
@@ -51,6 +52,7 @@ def _eager_losses(case, ref, x, y):
 
 
 @pytest.mark.parametrize("schedule", [mpmd.schedules.OneFOneB(M), mpmd.schedules.ZBV(M)])
+@pytest.mark.slow
 def test_partial_last_batch_and_uneven_microbatches(schedule):
     # 10 rows into 4 microbatches: 3, 3, 2, 2 rows, one step holding two
     # microbatch shapes; the receiving rank allocates each microbatch's own.

@@ -37,6 +37,7 @@ def run_and_compare(name, schedule, ranks, num_stages):
 @pytest.mark.parametrize("cls", ALL, ids=lambda c: c.__name__)
 @pytest.mark.parametrize("ranks", [2, 4])
 @pytest.mark.parametrize("name", ["gpt", "deep_unet"])
+@pytest.mark.slow
 def test_builtin_schedule_matches_gradient_accumulation(cls, ranks, name):
     m = microbatches_for(cls, ranks)
     local = run_and_compare(name, cls(m), ranks, stages_for(cls, ranks))
@@ -95,6 +96,7 @@ def graph_edges(pipe):
 
 @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.data())
+@pytest.mark.slow
 def test_random_valid_schedules_match_gradient_accumulation(data_):
     name = data_.draw(st.sampled_from(["gpt", "deep_unet"]))
     pipe = traced(name, 4)
@@ -273,6 +275,7 @@ def test_user_schedule_mistakes_are_named():
         mpmd.compile_schedule(S.DualPipeV(3), 4, 2)
 
 
+@pytest.mark.slow
 def test_costs_from_a_measured_timeline():
     local = run_and_compare("gpt", S.ZeroBubbleH1(4), 2, 2)
     measured = mpmd.Timeline.merge(r.timeline for r in local.runners)
@@ -287,6 +290,7 @@ def test_costs_from_a_measured_timeline():
     assert predicted.step_time > 0
 
 
+@pytest.mark.slow
 def test_timeline_exports(tmp_path):
     tl = mpmd.compile_schedule(S.ZBV(4), 4, 2).simulate()
     trace = tl.to_chrome_trace()
