@@ -289,3 +289,30 @@ def test_split_stage_without_a_gradient_path_is_an_error(mlp):
     stage.forward = lambda *a: tuple(o.detach() for o in forward(*a))
     with pytest.raises(ValueError, match=r"stage 0 \(split into I/W\) computes '\w+' without a"):
         local.step(*batch, target=target)
+
+
+def test_wrap_stage_wraps_each_local_stage_once_per_traced_shape(mlp):
+    # The public fault-injection hook: fn(rank, stage, forward) is asked once
+    # per local stage when a runner sets up a traced shape, and what it
+    # returns runs at every forward of that stage.
+    case, pipe, batch, target = mlp
+    asked, calls = [], []
+
+    def wrap(rank, stage, forward):
+        asked.append((rank, stage))
+
+        def counted(*args):
+            calls.append((rank, stage))
+            return forward(*args)
+
+        return counted
+
+    local = LocalPipeline(
+        pipe, mpmd.schedules.GPipe(M), 2, loss_fn=case.loss, timeout=60, wrap_stage=wrap
+    )
+    assert sorted(asked) == [(0, 0), (0, 2), (1, 1), (1, 3)]
+    local.step(*batch, target=target)
+    assert sorted(set(calls)) == sorted(asked) and len(calls) == 4 * M
+    (wider,), _ = case.inputs(3 * M)  # 3 rows per microbatch: traced again
+    local.step(wider.double(), target=case.target(3 * M).double())
+    assert len(asked) == 8 and len(calls) == 8 * M
