@@ -23,25 +23,24 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import repo_paths
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from gpt import GPT, GPTConfig, lm_loss
+from launch import idle_time, launch, measure_link
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "examples"))
-from gpt import GPT, GPTConfig  # noqa: E402
-from launch import idle_time, launch, measure_link  # noqa: E402
+import torchmpmd as mpmd
+from torchmpmd.planner import simulate
 
-import torchmpmd as mpmd  # noqa: E402
-from torchmpmd.planner import simulate  # noqa: E402
+ROOT = repo_paths.ROOT
 
 # --------------------------------------------------------------------------- models
 
@@ -140,10 +139,6 @@ class UNet(nn.Module):
         d2 = self.dec2(torch.cat([self.up2(d3), e2], dim=1))
         d1 = self.dec1(torch.cat([self.up1(d2), e1], dim=1))
         return self.out(self.refine(d1))
-
-
-def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
 @dataclass

@@ -11,25 +11,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
+import repo_paths
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from gpt import GPT, GPTConfig, lm_loss, split_points
+from launch import launch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "examples"))
-from gpt import GPT, GPTConfig, split_points  # noqa: E402
-from launch import launch  # noqa: E402
+import torchmpmd as mpmd
+from torchmpmd.runtime.fingerprint import batch_print
 
-import torchmpmd as mpmd  # noqa: E402
-from torchmpmd.runtime.fingerprint import batch_print  # noqa: E402
-
-
-def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+ROOT = repo_paths.ROOT
 
 
 def main() -> None:

@@ -17,27 +17,20 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from copy import deepcopy
 from pathlib import Path
 from typing import Any
 
+import repo_paths
 import torch
-import torch.nn.functional as F
+from gpt import GPT, GPTConfig, lm_loss, split_points
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "examples"))
-sys.path.insert(0, str(ROOT))  # the extension built in place (no install)
-from gpt import GPT, GPTConfig, split_points  # noqa: E402
+import torchmpmd as mpmd
+from torchmpmd.runtime import LocalWorld
 
-import torchmpmd as mpmd  # noqa: E402
-from torchmpmd.runtime import LocalWorld  # noqa: E402
-
-
-def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+ROOT = repo_paths.ROOT
 
 
 def parse_args() -> argparse.Namespace:

@@ -19,11 +19,10 @@ import argparse
 import datetime
 import multiprocessing as mp
 import os
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import repo_paths  # noqa: F401  (examples/ on the import path)
 
 
 def _status_kib(field: str) -> int:
@@ -37,8 +36,7 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, queue: mp
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
-    from gpt import GPT, GPTConfig, split_points
+    from gpt import GPT, GPTConfig, lm_loss, split_points
 
     import torchmpmd as mpmd
 
@@ -57,7 +55,7 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, queue: mp
     warm = mpmd.PipelineRunner(
         mpmd.trace(GPT(small), (ids,), split_before=split_points(small, world)),
         mpmd.schedules.OneFOneB(2),
-        loss_fn=lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()),
+        loss_fn=lm_loss,
     )
     warm.step(torch.zeros(2, 8, dtype=torch.long), target=torch.zeros(2, 8, dtype=torch.long))
     del warm
@@ -74,7 +72,7 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, queue: mp
     runner = mpmd.PipelineRunner(
         pipe,
         mpmd.schedules.OneFOneB(2),
-        loss_fn=lambda o, y: F.cross_entropy(o.flatten(0, 1), y.flatten()),
+        loss_fn=lm_loss,
         options=mpmd.RunnerOptions(timeout=600),
     )
     torch.manual_seed(rank)

@@ -17,22 +17,20 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import repo_paths
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from gpt import GPT, GPTConfig, lm_loss, split_points
+from launch import idle_time, launch, measure_link
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "examples"))
-from gpt import GPT, GPTConfig, split_points  # noqa: E402
-from launch import idle_time, launch, measure_link  # noqa: E402
+import torchmpmd as mpmd
 
-import torchmpmd as mpmd  # noqa: E402
+ROOT = repo_paths.ROOT
 
 S = mpmd.schedules
 # name -> (schedule class, stages per rank)
@@ -45,10 +43,6 @@ SCHEDULES: dict[str, tuple[type[mpmd.Schedule], int]] = {
     "ZBV": (S.ZBV, 2),
     "DualPipeV": (S.DualPipeV, 2),
 }
-
-
-def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
 def parse_args() -> argparse.Namespace:

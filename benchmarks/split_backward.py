@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
+import repo_paths  # noqa: F401  (examples/ on the import path)
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from gpt import GPT, GPTConfig
 
 import torchmpmd as mpmd

@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from collections import defaultdict
-from pathlib import Path
 
+import repo_paths  # noqa: F401  (examples/ on the import path)
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-from gpt import GPT, GPTConfig, split_points
-from schedules import lm_loss, stage_means
+from gpt import GPT, GPTConfig, lm_loss, split_points
+from schedules import stage_means
 
 import torchmpmd as mpmd
 from torchmpmd.runtime import LocalWorld

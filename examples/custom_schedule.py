@@ -17,12 +17,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from gpt import GPT, GPTConfig, lm_loss, split_points
 
 import torchmpmd as mpmd
-
-sys.path.insert(0, str(Path(__file__).parent))
-from gpt import GPT, GPTConfig, split_points
 
 
 class LazyWeight1F1B(mpmd.Schedule):
@@ -66,10 +63,7 @@ def main() -> None:
         print(program)
         print(f"predicted: {ours.summary()}\n  vs 1F1B: {base.summary()}")
 
-    def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
-
-    runner = mpmd.PipelineRunner(pipe, schedule, loss_fn=loss_fn)
+    runner = mpmd.PipelineRunner(pipe, schedule, loss_fn=lm_loss)
     opt = torch.optim.AdamW(runner.parameters(), lr=3e-3)
     data = torch.frombuffer(
         bytearray((Path(__file__).parent / "data" / "licenses.txt").read_bytes()), dtype=torch.uint8

@@ -1,4 +1,6 @@
-"""A small GPT (nanoGPT-style) with tied input/output embeddings."""
+"""A small GPT (nanoGPT-style) with tied input/output embeddings, and
+`lm_loss`, the next-token loss it trains with (also the loss of the
+benchmarks, the GPU checks and the tests' language models)."""
 
 from __future__ import annotations
 
@@ -103,3 +105,12 @@ def split_points(cfg: GPTConfig, num_stages: int) -> list[str]:
     if not 1 <= num_stages <= cfg.layers:
         raise ValueError(f"need 1 to {cfg.layers} stages for {cfg.layers} blocks, got {num_stages}")
     return [f"blocks.{cfg.layers * s // num_stages}" for s in range(1, num_stages)]
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross entropy of `logits` (..., vocab) against token ids `targets` (...),
+    averaged over every position. Half-precision logits (bf16, fp16) are
+    upcast to float32 first; float32 and float64 stay as they are."""
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
 from gpt import GPT, GPTConfig, split_points
 
 import torchmpmd as mpmd

@@ -24,12 +24,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from gpt import GPT, GPTConfig, lm_loss, split_points
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
-
-sys.path.insert(0, str(Path(__file__).parent))
-from gpt import GPT, GPTConfig, split_points
 
 import torchmpmd as mpmd
 
@@ -100,10 +97,6 @@ def batches(data: torch.Tensor, size: int, seq: int, seed: int, start_step: int 
         window = torch.stack([data[s : s + seq + 1] for s in start.tolist()])
         yield window[:, :-1], window[:, 1:]
         step += 1
-
-
-def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""The bad-input catalogues (tests/unit/test_bad_inputs*.py): each case is
+"""The bad-input catalogues (tests/unit/*/test_bad_inputs*.py): each case is
 (id, call, exception type, message pattern); the call must fail with that
 type and a message matching the pattern, never a raw pybind11 signature dump."""
 

@@ -1,8 +1,13 @@
-"""Model fixtures shared by the unit and distributed tests.
+"""The tests' small model zoo, shared by the unit and distributed tests (and
+through tests/conftest.py's fixtures).
 
 Each `Case` builds a model, one microbatch of example inputs, the split that
 cuts it into stages, and a loss. Tests compare the pipelined model with the
-model itself run unpipelined in one process.
+model itself run unpipelined in one process: `eager_step` is that reference
+(gradient accumulation over the microbatches), `trace_case` a case traced for
+a LocalPipeline with its batch. The losses (`lm_loss`, the one next-token
+loss, from examples/gpt.py; `square_loss`) and token batches (`tokens`,
+`token_pair`) live here too, so a test writes none of its own.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from gpt import lm_loss  # examples/gpt.py (pytest's pythonpath)
 
 import torchmpmd as mpmd
 
@@ -214,7 +220,7 @@ def _float(*shape: int) -> Callable[[int], tuple[tuple, dict]]:
     return lambda b: ((torch.randn(b, *shape, generator=_gen(b)),), {})
 
 
-def _tokens(
+def _token_inputs(
     vocab: int, seq: int, as_kwarg: str | None = None
 ) -> Callable[[int], tuple[tuple, dict]]:
     def make(b: int) -> tuple[tuple, dict]:
@@ -226,10 +232,6 @@ def _tokens(
 
 def _token_targets(vocab: int, seq: int) -> Callable[[int], torch.Tensor]:
     return lambda b: torch.randint(0, vocab, (b, seq), generator=_gen(b + 1000))
-
-
-def _lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
 
 
 def _kwargs_inputs(b: int) -> tuple[tuple, dict]:
@@ -279,10 +281,10 @@ CASES = {
         Case(
             "gpt",
             lambda: TinyGPT(),
-            _tokens(64, 16),
+            _token_inputs(64, 16),
             {"split_before": ["blocks.1", "blocks.2", "blocks.3"]},
             target=_token_targets(64, 16),
-            loss=_lm_loss,
+            loss=lm_loss,
             num_stages=4,
         ),
         Case(
@@ -321,36 +323,115 @@ CASES = {
         Case(
             "hf_llama",
             _hf_llama,
-            _tokens(96, 12, as_kwarg="input_ids"),
+            _token_inputs(96, 12, as_kwarg="input_ids"),
             {"split_before": ["model.layers.1", "model.layers.3"]},
             output=_hf_logits,
             target=_token_targets(96, 12),
-            loss=_lm_loss,
+            loss=lm_loss,
             num_stages=3,
         ),
         Case(
             "hf_llama_sdpa",
             lambda: _hf_llama("sdpa"),
-            _tokens(96, 12, as_kwarg="input_ids"),
+            _token_inputs(96, 12, as_kwarg="input_ids"),
             {"split_after": ["model.layers.1"]},
             output=_hf_logits,
             target=_token_targets(96, 12),
-            loss=_lm_loss,
+            loss=lm_loss,
             num_stages=2,
             exact_grads=False,
         ),
         Case(
             "hf_gpt2",
             _hf_gpt2,
-            _tokens(96, 12, as_kwarg="input_ids"),
+            _token_inputs(96, 12, as_kwarg="input_ids"),
             {"split_before": ["transformer.h.2"]},
             output=_hf_logits,
             target=_token_targets(96, 12),
-            loss=_lm_loss,
+            loss=lm_loss,
             num_stages=2,
         ),
     ]
 }
+
+
+def square_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean squared error (the regression models' loss)."""
+    return (out - y).square().mean()
+
+
+def tokens(vocab: int, *shape: int, seed: int = 0) -> torch.Tensor:
+    """Token ids of `shape` below `vocab`, from a generator seeded `seed`."""
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def token_pair(
+    vocab: int, batch: int, seq: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets (batch, seq) below `vocab`, drawn in turn from one
+    generator seeded `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, seq), generator=g), torch.randint(
+        0, vocab, (batch, seq), generator=g
+    )
+
+
+def eager_step(
+    loss_of: Callable[[Any, Any], torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    m: int,
+    split: Callable[[torch.Tensor, int], tuple[torch.Tensor, ...]] = torch.chunk,
+) -> torch.Tensor:
+    """The unpipelined reference of one step: gradient accumulation over the
+    `m` microbatches `split(x, m)` and `split(y, m)`, each adding the gradient
+    of `loss_of(xb, yb) / m`. Returns the microbatches' losses (detached)."""
+    losses = []
+    for xb, yb in zip(split(x, m), split(y, m), strict=True):
+        loss = loss_of(xb, yb)
+        (loss / m).backward()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+@dataclass
+class Traced:
+    """A zoo case traced for a pipeline, and a batch of `m` microbatches."""
+
+    case: Case
+    pipe: mpmd.Pipe
+    batch: tuple[Any, ...]  # positional inputs of the whole batch
+    target: torch.Tensor
+
+    def __iter__(self) -> Any:
+        """`case, pipe, batch, target = traced`."""
+        return iter((self.case, self.pipe, self.batch, self.target))
+
+
+def trace_case(name: str, m: int = 4, dtype: torch.dtype = torch.float64) -> Traced:
+    """`CASES[name]` in `dtype`, traced on a microbatch of 2 rows with its
+    split, and a batch of `2 * m` rows with its target."""
+    case = CASES[name]
+    model = case.model(dtype)
+    args, kwargs = case.inputs(2)
+    args = tuple(a.to(dtype) if a.is_floating_point() else a for a in args)
+    pipe = mpmd.trace(model, args, kwargs, **case.split)
+    batch, _ = case.inputs(2 * m)
+    batch = tuple(a.to(dtype) if a.is_floating_point() else a for a in batch)
+    target = case.target(2 * m)
+    if target.is_floating_point():
+        target = target.to(dtype)
+    return Traced(case, pipe, batch, target)
+
+
+def reference_step(
+    case: Case, batch: tuple[Any, ...], target: torch.Tensor, m: int, dtype: torch.dtype
+) -> tuple[nn.Module, torch.Tensor]:
+    """A fresh `case` model in `dtype` after `eager_step` over the batch, and
+    its mean loss (float64)."""
+    ref = case.model(dtype)
+    losses = eager_step(lambda a, y: case.loss(case.output(ref(a)), y), batch[0], target, m)
+    return ref, losses.double().mean()
 
 
 def skip_distance(pipe: mpmd.Pipe, value_stage: int = 0) -> int:
@@ -372,8 +453,16 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, exact:
 __all__ = [
     "CASES",
     "Case",
+    "Traced",
     "assert_close",
+    "eager_step",
+    "lm_loss",
+    "reference_step",
     "skip_distance",
     "split_deep_unet",
     "split_gpt",
+    "square_loss",
+    "token_pair",
+    "tokens",
+    "trace_case",
 ]

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from models import CASES, MLP, split_deep_unet, split_gpt
+from models import CASES, MLP, eager_step, split_deep_unet, split_gpt, square_loss
 
 import torchmpmd as mpmd
 
@@ -51,13 +51,9 @@ def reference(name: str, m: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]
     case = CASES[name]
     model = case.model(torch.float64)
     batch, target = data(name, m)
-    losses = []
-    for x, y in zip(batch.chunk(m), target.chunk(m), strict=True):
-        loss = case.loss(model(x), y)
-        (loss / m).backward()
-        losses.append(loss.detach())
+    losses = eager_step(lambda x, y: case.loss(model(x), y), batch, target, m)
     grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    return torch.stack(losses).double().mean(), grads
+    return losses.double().mean(), grads
 
 
 def check(
@@ -120,10 +116,6 @@ def trains_like_eager(
                 continue
             torch.testing.assert_close(p.grad, expected, rtol=tol, atol=tol, msg=fqn)
     return local, ref
-
-
-def square_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return ((out - y) ** 2).mean()
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int]:

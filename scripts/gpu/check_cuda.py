@@ -19,22 +19,17 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "examples"))
-sys.path.insert(0, str(ROOT))  # the extension built in place (no install)
-from gpt import GPT, GPTConfig, split_points  # noqa: E402
+# The bundled GPT and its loss, and the extension built in place (no install).
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
+from gpt import GPT, GPTConfig, lm_loss, split_points  # noqa: E402
 
 import torchmpmd as mpmd  # noqa: E402
 from torchmpmd.testing import LocalPipeline  # noqa: E402
 
 S = mpmd.schedules
 M = 4  # microbatches
-
-
-def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
 def reference_grads(

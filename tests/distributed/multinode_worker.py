@@ -7,14 +7,10 @@ mismatch."""
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models import CASES
+from models import CASES  # tests/ and examples/ are on PYTHONPATH (test_multinode.py)
 from pipeline_check import SPLITS
 from torch.distributed.device_mesh import init_device_mesh
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from harness import check_all, run_ranks
+from models import square_loss
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 import torchmpmd as mpmd
@@ -35,7 +36,7 @@ def _trained(seed: int = 0) -> tuple[mpmd.PipelineRunner, torch.optim.Optimizer]
     runner = mpmd.PipelineRunner(
         pipe,
         mpmd.schedules.GPipe(2),
-        loss_fn=lambda out, y: (out - y).square().mean(),
+        loss_fn=square_loss,
         timeout=30,
     )
     opt = torch.optim.AdamW(runner.parameters(), lr=1e-2)
@@ -191,7 +192,7 @@ def saves_twice_with_an_empty_rank(rank: int, world: int, tmp: str) -> list[str]
     runner = mpmd.PipelineRunner(
         pipe,
         mpmd.schedules.GPipe(2),
-        loss_fn=lambda out, y: (out - y).square().mean(),
+        loss_fn=square_loss,
         timeout=30,
     )
     path = Path(tmp) / "latest"

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn as nn
 from harness import check_all, run_ranks
+from models import square_loss
 
 import torchmpmd as mpmd
 
@@ -30,9 +31,7 @@ def _runner(**kwargs) -> mpmd.PipelineRunner:
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
     pipe = mpmd.trace(model, (torch.randn(2, 4),), split_before=["2", "4"])
     kwargs.setdefault("timeout", TIMEOUT)
-    return mpmd.PipelineRunner(
-        pipe, mpmd.schedules.OneFOneB(4), loss_fn=lambda o, t: (o - t).square().mean(), **kwargs
-    )
+    return mpmd.PipelineRunner(pipe, mpmd.schedules.OneFOneB(4), loss_fn=square_loss, **kwargs)
 
 
 def _outcome(fn) -> dict:
@@ -155,7 +154,7 @@ def one_replica_clips(rank: int, world: int, mode: str) -> dict:
     runner = mpmd.PipelineRunner(
         pipe,
         mpmd.schedules.OneFOneB(2),
-        loss_fn=lambda o, t: (o - t).square().mean(),
+        loss_fn=square_loss,
         timeout=TIMEOUT,
         mesh=mesh,
         data_parallel=mode,

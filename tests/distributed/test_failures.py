@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 from harness import run_ranks
-from models import MLP
+from models import MLP, square_loss
 
 import torchmpmd as mpmd
 
@@ -31,25 +31,31 @@ def _mlp_pipe():
 
 def dies_mid_step(rank, world, victim):
     _, pipe = _mlp_pipe()
+    calls = None  # counted from the second step on
+
+    def wrap(at_rank, stage, module):
+        if (at_rank, stage) != (victim, victim):
+            return module
+
+        def crash(*args):
+            nonlocal calls
+            if calls is not None:
+                calls += 1
+                if calls == 2:  # second microbatch of the next step
+                    os._exit(17)
+            return module(*args)
+
+        return crash
+
     runner = mpmd.PipelineRunner(
         pipe,
         mpmd.schedules.OneFOneB(4),
-        loss_fn=lambda out, y: (out - y).pow(2).mean(),
-        timeout=TIMEOUT,
+        loss_fn=square_loss,
+        options=mpmd.RunnerOptions(timeout=TIMEOUT, wrap_stage=wrap),
     )
     batch = torch.randn(8, 8, dtype=torch.float64)
     runner.step(batch, target=torch.zeros(8, 8, dtype=torch.float64))  # a healthy step first
-    if rank == victim:
-        module = runner._stages._calls[victim]
-
-        def crash(*args):
-            crash.calls += 1
-            if crash.calls == 2:  # second microbatch of the next step
-                os._exit(17)
-            return module(*args)
-
-        crash.calls = 0
-        runner._stages._calls[victim] = crash
+    calls = 0
     start = time.monotonic()
     try:
         runner.step(batch, target=torch.zeros(8, 8, dtype=torch.float64))
@@ -85,10 +91,6 @@ def test_rank_exits_mid_step():
 # ---- an exception on one rank (not a dead process) ----------------------------------------------
 
 
-def _mse(out, y):
-    return (out - y).pow(2).mean()
-
-
 def raises_on_one_rank(rank, world, victim, where):
     import torch.distributed as dist
 
@@ -101,12 +103,11 @@ def raises_on_one_rank(rank, world, victim, where):
         calls["loss"] += 1
         if where == "loss" and calls["loss"] == 6:  # microbatch 1 of the second step
             raise KeyError("label 'cat' is not in the vocabulary")
-        return _mse(out, y)
+        return square_loss(out, y)
 
-    # The default timeout (300 s): peers must not wait it out.
-    runner = mpmd.PipelineRunner(pipe, mpmd.schedules.OneFOneB(4), loss_fn=loss_fn)
-    if where == "forward" and rank == victim:
-        module = runner._stages._calls[victim]
+    def wrap(at_rank, stage, module):
+        if where != "forward" or (at_rank, stage) != (victim, victim):
+            return module
 
         def bad(*args):
             calls["forward"] += 1
@@ -114,7 +115,15 @@ def raises_on_one_rank(rank, world, victim, where):
                 raise ValueError("stage input has NaNs")
             return module(*args)
 
-        runner._stages._calls[victim] = bad
+        return bad
+
+    # The default timeout (300 s): peers must not wait it out.
+    runner = mpmd.PipelineRunner(
+        pipe,
+        mpmd.schedules.OneFOneB(4),
+        loss_fn=loss_fn,
+        options=mpmd.RunnerOptions(wrap_stage=wrap),
+    )
     gen = torch.Generator().manual_seed(1)
     batch = torch.randn(8, 8, dtype=torch.float64, generator=gen)
     target = torch.randn(8, 8, dtype=torch.float64, generator=gen)
@@ -138,13 +147,13 @@ def raises_on_one_rank(rank, world, victim, where):
     out["again_after"] = time.monotonic() - start
     # The recipe it gives works: a new group and runner, the same parameters.
     group = dist.new_group(list(range(world)))
-    fresh = mpmd.PipelineRunner(pipe, mpmd.schedules.OneFOneB(4), loss_fn=_mse, group=group)
+    fresh = mpmd.PipelineRunner(pipe, mpmd.schedules.OneFOneB(4), loss_fn=square_loss, group=group)
     for p in fresh.parameters():
         p.grad = None
     loss = fresh.step(batch, target=target).loss
-    (_mse(reference(batch[:2]), target[:2]) / 4).backward()  # microbatch 0 ...
+    (square_loss(reference(batch[:2]), target[:2]) / 4).backward()  # microbatch 0 ...
     for i in range(1, 4):
-        (_mse(reference(batch[2 * i : 2 * i + 2]), target[2 * i : 2 * i + 2]) / 4).backward()
+        (square_loss(reference(batch[2 * i : 2 * i + 2]), target[2 * i : 2 * i + 2]) / 4).backward()
     want = dict(reference.named_parameters())
     out["grad_error"] = max(
         (p.grad - want[n].grad).abs().max().item() for n, p in fresh.named_parameters()

@@ -12,7 +12,8 @@ import os
 import torch
 import torch.distributed as dist
 from harness import check_all, run_ranks
-from pipeline_check import MLP, mlp_memory_case, square_loss
+from models import MLP, square_loss
+from pipeline_check import mlp_memory_case
 
 import torchmpmd as mpmd
 from torchmpmd.runtime import gloo_threads

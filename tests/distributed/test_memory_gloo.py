@@ -6,7 +6,8 @@ once the peer's reply proves it arrived, not held to the end of the step
 from __future__ import annotations
 
 from harness import check_all, run_ranks
-from pipeline_check import mlp_memory_case, square_loss
+from models import square_loss
+from pipeline_check import mlp_memory_case
 
 import torchmpmd as mpmd
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 WORKER = Path(__file__).with_name("multinode_worker.py")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _free_port() -> int:
@@ -22,7 +23,9 @@ def _free_port() -> int:
 
 def test_two_nodes_two_processes_each():
     port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # The worker imports the zoo (tests/) and its loss (examples/), as pytest does.
+    path = [str(ROOT / "tests"), str(ROOT / "examples"), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, path))}
     launchers = [
         subprocess.Popen(
             [

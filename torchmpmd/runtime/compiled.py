@@ -14,6 +14,7 @@ shape keeps every program static.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,7 @@ from ..schedule.kinds import recomputes, splits_backward
 from ..schedule.program import Program, compile_schedule
 from ..schedule.task import Schedule
 from .microbatch import Microbatcher
+from .options import StageWrapper
 from .stages import LocalStages, LossFn
 from .transport import Transport
 
@@ -65,6 +67,7 @@ class Options:
     compile_options: Mapping[str, Any] | None
     selective_recompute: frozenset[int] = frozenset()
     measure_memory: bool = False
+    wrap_stage: StageWrapper | None = None  # RunnerOptions.wrap_stage
 
 
 class CompiledPipe:
@@ -102,6 +105,8 @@ class CompiledPipe:
             selective=set(options.selective_recompute) & set(self.local_stages),
             recomputed={t.stage for t in self.program.tasks(self.rank) if recomputes(t.kind)},
         )
+        if options.wrap_stage is not None:
+            self.stages.wrap_forwards(functools.partial(options.wrap_stage, self.rank))
         # This rank's copy of each tied parameter it holds, by node id.
         self.tied_parameters: dict[int, torch.nn.Parameter] = {
             node: self.stages.modules[tied_names[id(param)][0]].get_parameter(

@@ -39,7 +39,25 @@ __all__ = ["LocalPipeline"]
 class LocalPipeline:
     """`num_ranks` PipelineRunners in threads of this process. `loss_fn` and
     `device` are the runners'; the other keywords are `RunnerOptions`
-    fields (or pass `options=`), for short test set-ups."""
+    fields (or pass `options=`), for short test set-ups.
+
+    Faults are injected through the public hook `wrap_stage=fn` (a
+    `RunnerOptions` field): `fn(rank, stage, forward)` returns what runs in
+    place of stage `stage`'s forward on rank `rank`, e.g. a wrapper that
+    raises at the second microbatch, sleeps, or returns altered outputs::
+
+        def wrap(rank, stage, forward):
+            if (rank, stage) != (1, 1):
+                return forward
+            def crash(*inputs):
+                raise RuntimeError("injected")
+            return crash
+
+        LocalPipeline(pipe, schedule, 2, loss_fn=loss, wrap_stage=wrap)
+
+    `runners` are the per-rank PipelineRunners; `on_all_ranks(fn)` runs
+    `fn(runner)` on every rank at once, as `step` does.
+    """
 
     def __init__(
         self,
@@ -100,6 +118,13 @@ class LocalPipeline:
     def kill(self, rank: int) -> None:
         """Makes `rank` look dead to its peers (their receives from it fail)."""
         self.world.kill(rank)
+
+    def on_all_ranks(self, fn: Callable[[PipelineRunner], Any]) -> list[Any]:
+        """`fn(runner)` on every rank at once, each in its rank's thread (a
+        collective call, e.g. `r.step(...)` with per-rank arguments); the
+        per-rank results. A failure on one rank stops the others and is
+        raised, as from `step`."""
+        return self._on_all(fn)
 
     def _on_all(self, fn: Callable[[PipelineRunner], Any]) -> list[Any]:
         self._rng.start_call(max(r.timeout for r in self.runners))

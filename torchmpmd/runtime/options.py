@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +16,8 @@ from ..parallel.fsdp import Parallelize
 __all__ = ["RunnerOptions"]
 
 Recompute = bool | str | Iterable[int] | Mapping[int, str]
+# fn(rank, stage, forward) -> what runs in place of `forward` (RunnerOptions.wrap_stage).
+StageWrapper = Callable[[int, int, Callable[..., Any]], Callable[..., Any]]
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -70,6 +72,18 @@ class RunnerOptions:
     backward (`timeline.peak_activation_bytes`, each task's held and kept
     bytes, for `Costs.from_timeline`). Adds a lock and a map update to every
     allocation."""
+
+    wrap_stage: StageWrapper | None = None
+    """For tests (fault injection): `fn(rank, stage, forward)` returns what
+    runs in place of local stage `stage`'s forward on rank `rank`, where
+    `forward(*inputs)` returns the stage's outputs (its sends, then on the
+    last stage the model's outputs). Called once per local stage (and per
+    traced input shape) when the runner sets the stage up; the wrapper runs
+    at every forward of that stage (F, a recompute's R, evaluation), so it
+    can raise, stall, count calls or change outputs inside one stage of one
+    rank. Return `forward` itself to leave a stage as it is. A stage split
+    into input- and weight-gradient graphs (zero-bubble schedules) runs its
+    traced graphs instead, unless built with `mpmd.from_stages`."""
 
 
 # PipelineRunner's keyword arguments before RunnerOptions, still accepted.

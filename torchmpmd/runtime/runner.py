@@ -116,6 +116,7 @@ class PipelineRunner:
             compile_options=compile_options,
             selective_recompute=selective,
             measure_memory=bool(opts.measure_memory),
+            wrap_stage=opts.wrap_stage,
         )
         first = CompiledPipe(pipe, self._options, shared=None)
         self._first = first

@@ -103,6 +103,11 @@ class LocalStages:
         }
         self.split_graphs: dict[int, SplitStage | AutogradSplit] = {}
 
+    def wrap_forwards(self, wrap: Callable[[int, Callable[..., Any]], Callable[..., Any]]) -> None:
+        """Runs `wrap(stage, forward)` in place of each stage's forward
+        (`RunnerOptions.wrap_stage`, for tests)."""
+        self._calls = {s: wrap(s, call) for s, call in self._calls.items()}
+
     def prepare(self, step: Step, mb: int) -> None:
         """Traces the F/I/W graphs of split stages, at the first step that
         runs them (with the values of its microbatch `mb`)."""

@@ -1,0 +1,94 @@
+"""Data-dependent operations (MoE top-k routing with nonzero and index_add)
+must trace and train exactly; torchmpmd's own cost heuristic crashed on
+their symbolic sizes after torch.export had succeeded. What cannot work gets
+a clear error: a data-dependent tensor crossing stages, or a split (I/W)
+stage that would fix one microbatch's routing."""
+
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+from models import square_loss
+from pipeline_check import trains_like_eager
+
+import torchmpmd as mpmd
+from torchmpmd.testing import LocalPipeline
+
+M = 4
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int = 8, experts: int = 4, k: int = 2) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, experts)
+        self.experts = nn.ModuleList(nn.Linear(dim, dim) for _ in range(experts))
+        self.k = k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        weights, chosen = torch.softmax(self.gate(tokens), -1).topk(self.k, -1)
+        out = torch.zeros_like(tokens)
+        for i, expert in enumerate(self.experts):
+            rows, slot = torch.nonzero(chosen == i, as_tuple=True)
+            out = out.index_add(0, rows, expert(tokens[rows]) * weights[rows, slot, None])
+        return out.reshape(x.shape)
+
+
+class Routed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.moe = MoE()
+        self.c = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.relu(self.moe(self.a(x))))
+
+
+def _case() -> tuple[Routed, Routed, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = Routed().double()
+    ref = Routed().double()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(4 * M, 3, 8, dtype=torch.float64)
+    y = torch.randn(4 * M, 3, 8, dtype=torch.float64)
+    return model, ref, x, y
+
+
+@pytest.mark.slow
+def test_moe_routing_trains_exactly():
+    _, _, x, y = _case()
+    local, ref = trains_like_eager(
+        lambda: Routed().double(), x, y, square_loss, ["moe", "c"], mpmd.schedules.OneFOneB(M), 3
+    )
+    checked = {n for r in local.runners for n, _ in r.named_parameters()}
+    assert checked == {n for n, _ in ref.named_parameters()}
+
+
+@pytest.mark.slow
+def test_split_backward_of_a_routed_stage_is_refused():
+    model, _, x, y = _case()
+    pipe = mpmd.trace(model, (x[:4],), split_before=["moe", "c"])
+    local = LocalPipeline(pipe, mpmd.schedules.ZeroBubbleH1(M), 3, loss_fn=square_loss, timeout=30)
+    with pytest.raises(ValueError, match=r"stage 1: .* in module 'moe' computes a tensor whose"):
+        local.step(x, target=y)
+
+
+def test_data_dependent_tensor_crossing_stages_is_refused():
+    class Crossing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.b = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            picked = h[torch.nonzero(h[:, 0] > 0, as_tuple=True)]
+            h = mpmd.mark_stage_end(h)  # `picked` is made before, read after
+            return self.b(picked).sum() + self.b(h).sum()
+
+    with pytest.raises(
+        ValueError, match=re.escape("not a single tensor with a shape known at trace time")
+    ):
+        mpmd.trace(Crossing(), (torch.randn(4, 8),))
