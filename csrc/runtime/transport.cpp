@@ -279,10 +279,17 @@ bool C10dTransport::completion_means_delivered() const {
   return name() == "gloo";
 }
 c10::DeviceType C10dTransport::device_type() const {
-  // A group made without naming a backend has Gloo for the CPU and NCCL for
-  // CUDA: it exchanges CUDA tensors when this process has a GPU.
-  const bool cuda = group_->hasBackendForDeviceType(c10::DeviceType::CUDA);
-  return cuda && at::hasCUDA() ? c10::DeviceType::CUDA : c10::DeviceType::CPU;
+  // CUDA tensors when CUDA's backend is NCCL: an NCCL group, or one made
+  // without naming a backend (Gloo for the CPU, NCCL for CUDA). A Gloo group
+  // also takes CUDA tensors, but exchanges them through the host: its
+  // runner computes on the CPU unless told otherwise.
+  constexpr auto kCuda = c10::DeviceType::CUDA;
+  if (!at::hasCUDA() || !group_->hasBackendForDeviceType(kCuda)) {
+    return c10::DeviceType::CPU;
+  }
+  return group_->getBackend(kCuda)->getBackendName() == "nccl"
+             ? kCuda
+             : c10::DeviceType::CPU;
 }
 
 std::unique_ptr<Request> C10dTransport::isend(const at::Tensor& tensor,
