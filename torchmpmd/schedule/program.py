@@ -140,21 +140,22 @@ class Program:
         """Predicts the step: when each task runs on each rank, step time, bubble
         fraction and peak activation memory per rank (see `Costs`)."""
         costs = costs if costs is not None else Costs()
-        acts = self.pipe.activation_bytes() if self.pipe is not None else None
-        native = _C.schedule.simulate(self._native, costs.native(self.num_stages, acts))
-        return timeline_from_native(native, costs.unit)
+        return timeline_from_native(self._simulated(costs), costs.unit)
 
     def predict(self, costs: Costs | None = None) -> Prediction:
         """`simulate`'s step time and peak activation bytes alone (no events
         built: cheap enough to call for thousands of candidate splits)."""
-        costs = costs if costs is not None else Costs()
-        acts = self.pipe.activation_bytes() if self.pipe is not None else None
-        native = _C.schedule.simulate(self._native, costs.native(self.num_stages, acts))
+        native = self._simulated(costs if costs is not None else Costs())
         compute = [e for e in native.events if e.kind == _C.schedule.EventKind.compute]
         step, _ = _C.schedule.timeline_stats(
             [e.rank for e in compute], [e.start for e in compute], [e.end for e in compute]
         )
         return Prediction(step, tuple(native.peak_activation_bytes))
+
+    def _simulated(self, costs: Costs) -> _C.schedule.Timeline:
+        """The native simulator's run of this program under `costs`."""
+        acts = self.pipe.activation_bytes() if self.pipe is not None else None
+        return _C.schedule.simulate(self._native, costs.native(self.num_stages, acts))
 
     def grid(self) -> str:
         """One line per rank in action format ('0F0 0F1 0B0 ...')."""
