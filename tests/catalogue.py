@@ -9,6 +9,10 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
+from torch import nn
+
+import torchmpmd as mpmd
 
 Case = tuple[str, Callable[[], Any], type[BaseException], str]
 
@@ -28,3 +32,14 @@ def clear_error(call: Callable[[], Any], kind: type[BaseException], pattern: str
     assert re.search(pattern, text, re.S), text
     assert "incompatible function arguments" not in text and "incompatible constructor" not in text
     return text
+
+
+def tiny_model() -> nn.Sequential:
+    """The catalogues' model: two linear layers, seeded."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+
+
+def tiny_pipe() -> mpmd.Pipe:
+    """`tiny_model` traced in two stages."""
+    return mpmd.trace(tiny_model(), (torch.randn(2, 4),), split_before=["2"])

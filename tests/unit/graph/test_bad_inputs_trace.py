@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from catalogue import Case, cases, clear_error
+from catalogue import Case, cases, clear_error, tiny_model, tiny_pipe
 from models import square_loss
 
 import torchmpmd as mpmd
@@ -19,19 +19,14 @@ S = mpmd.schedules
 M = 2
 
 
-def _model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
-
-
 def _local() -> LocalPipeline:
-    pipe = mpmd.trace(_model(), (torch.randn(2, 4),), split_before=["2"])
+    pipe = tiny_pipe()
     return LocalPipeline(pipe, S.GPipe(M), 2, loss_fn=square_loss, timeout=5)
 
 
 def _meta_pipe() -> mpmd.Pipe:
     with torch.device("meta"):
-        model = _model()
+        model = tiny_model()
     return mpmd.trace(model, (torch.randn(2, 4, device="meta"),), split_before=["2"])
 
 
@@ -80,7 +75,7 @@ CASES: list[Case] = [
     ),
     (
         "real model traced with meta inputs",
-        lambda: mpmd.trace(_model(), (x.to("meta"),)),
+        lambda: mpmd.trace(tiny_model(), (x.to("meta"),)),
         RuntimeError,
         r"in module '0' \(Linear\).*To fix: the example inputs are on the meta device and the "
         r"model's tensors on cpu: pass example inputs on the model's device",

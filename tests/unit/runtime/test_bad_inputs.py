@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn as nn
-from catalogue import Case, cases, clear_error
+from catalogue import Case, cases, clear_error, tiny_model, tiny_pipe
 from models import square_loss
 
 import torchmpmd as mpmd
@@ -23,19 +22,10 @@ S = mpmd.schedules
 M = 2
 
 
-def _model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
-
-
-def _pipe() -> mpmd.Pipe:
-    return mpmd.trace(_model(), (torch.randn(2, 4),), split_before=["2"])
-
-
 def _local(**kwargs: Any) -> LocalPipeline:
     kwargs.setdefault("loss_fn", square_loss)
     kwargs.setdefault("timeout", 5)
-    return LocalPipeline(_pipe(), S.GPipe(M), 2, **kwargs)
+    return LocalPipeline(tiny_pipe(), S.GPipe(M), 2, **kwargs)
 
 
 def _simulated() -> mpmd.Timeline:
@@ -59,26 +49,26 @@ CASES: list[Case] = [
     ),
     (
         "split point not a string",
-        lambda: mpmd.trace(_model(), (x,), split_before=[2]),
+        lambda: mpmd.trace(tiny_model(), (x,), split_before=[2]),
         TypeError,
         "module paths \\(strings\\)",
     ),
     (
         "split points as one string",
-        lambda: mpmd.trace(_model(), (x,), split_before="2"),
+        lambda: mpmd.trace(tiny_model(), (x,), split_before="2"),
         TypeError,
         "write \\['2'\\]",
     ),
     (
         "both split lists",
-        lambda: mpmd.trace(_model(), (x,), split_before=["2"], split_after=["0"]),
+        lambda: mpmd.trace(tiny_model(), (x,), split_before=["2"], split_after=["0"]),
         ValueError,
         "not both",
     ),
-    ("example args as a list", lambda: mpmd.trace(_model(), [x]), TypeError, "as a tuple"),
+    ("example args as a list", lambda: mpmd.trace(tiny_model(), [x]), TypeError, "as a tuple"),
     (
         "unknown split module",
-        lambda: mpmd.trace(_model(), (x,), split_before=["nope"]),
+        lambda: mpmd.trace(tiny_model(), (x,), split_before=["nope"]),
         ValueError,
         "nope",
     ),
@@ -92,7 +82,7 @@ CASES: list[Case] = [
             mpmd.Schedule.from_lists(
                 [["0F0", "0B0", mpmd.Task("F", 0, -1)], ["1F0", "1B0"]], [0, 1], 1
             ),
-            _pipe(),
+            tiny_pipe(),
             2,
         ),
         ValueError,
@@ -111,39 +101,39 @@ CASES: list[Case] = [
     (
         "incomplete schedule",
         lambda: mpmd.compile_schedule(
-            mpmd.Schedule.from_lists([["0F0"], ["1F0", "1B0"]], [0, 1]), _pipe(), 2
+            mpmd.Schedule.from_lists([["0F0"], ["1F0", "1B0"]], [0, 1]), tiny_pipe(), 2
         ),
         ValueError,
         "0B0|B\\(stage=0",
     ),
     (
         "schedule for other ranks",
-        lambda: mpmd.compile_schedule(S.GPipe(M), _pipe(), 0),
+        lambda: mpmd.compile_schedule(S.GPipe(M), tiny_pipe(), 0),
         ValueError,
         "num_ranks must be a positive int",
     ),
     (
         "not a schedule",
-        lambda: mpmd.compile_schedule("gpipe", _pipe(), 2),
+        lambda: mpmd.compile_schedule("gpipe", tiny_pipe(), 2),
         TypeError,
         "expected an mpmd.Schedule",
     ),
     (
         "recompute unknown stage",
-        lambda: mpmd.compile_schedule(S.GPipe(M).with_recompute([9]), _pipe(), 2),
+        lambda: mpmd.compile_schedule(S.GPipe(M).with_recompute([9]), tiny_pipe(), 2),
         ValueError,
         "stages \\[9\\] do not exist",
     ),
     # ---- runner options
     (
         "runner given a model",
-        lambda: mpmd.PipelineRunner(_model(), S.GPipe(M)),
+        lambda: mpmd.PipelineRunner(tiny_model(), S.GPipe(M)),
         TypeError,
         "needs an mpmd.Pipe",
     ),
     (
         "local pipeline given a model",
-        lambda: LocalPipeline(_model(), S.GPipe(M), 2),
+        lambda: LocalPipeline(tiny_model(), S.GPipe(M), 2),
         TypeError,
         "needs an mpmd.Pipe",
     ),
@@ -199,7 +189,7 @@ CASES: list[Case] = [
     ),
     (
         "split_backward off with I/W tasks",
-        lambda: LocalPipeline(_pipe(), S.ZeroBubbleH1(M), 2, split_backward=False),
+        lambda: LocalPipeline(tiny_pipe(), S.ZeroBubbleH1(M), 2, split_backward=False),
         ValueError,
         "need split_backward|which need",
     ),
@@ -223,13 +213,13 @@ CASES: list[Case] = [
     ),
     (
         "group and transport",
-        lambda: mpmd.PipelineRunner(_pipe(), S.GPipe(M), group=object(), transport=object()),
+        lambda: mpmd.PipelineRunner(tiny_pipe(), S.GPipe(M), group=object(), transport=object()),
         ValueError,
         "not both",
     ),
     (
         "transport of another kind",
-        lambda: mpmd.PipelineRunner(_pipe(), S.GPipe(M), transport=object()),
+        lambda: mpmd.PipelineRunner(tiny_pipe(), S.GPipe(M), transport=object()),
         TypeError,
         "must be a torchmpmd transport",
     ),
@@ -291,7 +281,7 @@ CASES: list[Case] = [
     ),
     (
         "state dict unknown key",
-        lambda: _runner().load_state_dict({**_model().state_dict(), "bogus": torch.ones(1)}),
+        lambda: _runner().load_state_dict({**tiny_model().state_dict(), "bogus": torch.ones(1)}),
         KeyError,
         "\\['bogus'\\] are not parameters",
     ),
@@ -303,7 +293,9 @@ CASES: list[Case] = [
     ),
     (
         "state dict wrong shape",
-        lambda: _runner().load_state_dict({**_model().state_dict(), "0.weight": torch.ones(2, 2)}),
+        lambda: _runner().load_state_dict(
+            {**tiny_model().state_dict(), "0.weight": torch.ones(2, 2)}
+        ),
         ValueError,
         "has shape \\(2, 2\\)",
     ),
@@ -333,7 +325,7 @@ CASES: list[Case] = [
         ValueError,
         "is not an image file",
     ),
-    ("plot a program", lambda: mpmd.viz.plot([_pipe()]), TypeError, "not an mpmd.Timeline"),
+    ("plot a program", lambda: mpmd.viz.plot([tiny_pipe()]), TypeError, "not an mpmd.Timeline"),
 ]
 
 

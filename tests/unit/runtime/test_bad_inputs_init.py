@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-from catalogue import Case, cases, clear_error
+from catalogue import Case, cases, clear_error, tiny_model, tiny_pipe
 from models import square_loss
 
 import torchmpmd as mpmd
@@ -22,19 +22,10 @@ S = mpmd.schedules
 M = 2
 
 
-def _model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
-
-
-def _pipe() -> mpmd.Pipe:
-    return mpmd.trace(_model(), (torch.randn(2, 4),), split_before=["2"])
-
-
 def _local(num_ranks: int = 2, **kwargs: Any) -> LocalPipeline:
     kwargs.setdefault("loss_fn", square_loss)
     kwargs.setdefault("timeout", 5)
-    return LocalPipeline(_pipe(), S.GPipe(M), num_ranks, **kwargs)
+    return LocalPipeline(tiny_pipe(), S.GPipe(M), num_ranks, **kwargs)
 
 
 def _runner() -> mpmd.PipelineRunner:
@@ -143,7 +134,7 @@ def test_bad_input_gets_a_clear_error(call, kind, pattern):
 
 
 def test_a_refused_replacement_leaves_the_stage_and_the_model_as_they_were():
-    model = _model()
+    model = tiny_model()
     local = LocalPipeline(
         mpmd.trace(model, (torch.randn(2, 4),), split_before=["2"]), S.GPipe(M), 2, timeout=5
     )
