@@ -128,11 +128,14 @@ def busy_between_steps(rank: int, world: int, who: str) -> dict:
 
 def test_a_rank_busy_past_the_timeout_is_told_that_its_peers_gave_up_on_it():
     results = check_all(run_ranks(busy_between_steps, 3, "busy", deadline=60))
-    waited = results[0]["error"]
-    assert "rank 1 did not answer within 4 s while exchanging the check-in of call 2" in waited
+    # Ranks 0 and 2 both give up on rank 1; either may be first to say so.
+    waited = [results[r]["error"] for r in (0, 2)]
+    assert all(w is not None for w in waited), waited
+    gave_up = "rank 1 did not answer within 4 s while exchanging the check-in of call 2"
+    assert any(gave_up in w for w in waited), waited
     late = results[1]["error"]
     # Before: a raw Gloo "Connection closed by peer" for the late rank.
-    assert "rank 1 stopped step, because rank 0 failed" in late, late
+    assert re.search(r"rank 1 stopped step, because rank [02] failed", late), late
     assert "after a peer had stopped waiting for it" in late and "raise the timeout" in late, late
 
 
