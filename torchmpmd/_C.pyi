@@ -161,12 +161,18 @@ class schedule:
         @staticmethod
         def chain(num_stages: int, bytes: int = 1) -> schedule.PipelineGraph: ...
 
+    class StageCollectives:
+        unshard: bool
+        reduce_grads: bool
+        def __init__(self, unshard: bool = False, reduce_grads: bool = False) -> None: ...
+
     class ScheduleSpec:
         num_ranks: int
         num_microbatches: int
         placement: list[int]
         tasks: list[list[schedule.Task]]
         forward_only: bool
+        collectives: list[schedule.StageCollectives]
         def __init__(
             self,
             num_ranks: int,
@@ -174,6 +180,7 @@ class schedule:
             placement: Sequence[int],
             tasks: Sequence[Sequence[schedule.Task]],
             forward_only: bool = False,
+            collectives: Sequence[schedule.StageCollectives] = ...,
         ) -> None: ...
 
     class Costs:
@@ -183,6 +190,9 @@ class schedule:
         weight_grad: list[float]
         activation_bytes: list[int]
         weight_grad_bytes: list[int]
+        unshard: list[float]
+        reduce_grads: list[float]
+        unsharded_bytes: list[int]
         latency: float
         bytes_per_unit: float
         overlap_comm: bool
@@ -201,6 +211,8 @@ class schedule:
         send = ...
         recv = ...
         reduce_tied = ...
+        unshard = ...
+        reduce_grads = ...
 
     class Payload(Enum):
         activation = ...
@@ -231,6 +243,7 @@ class schedule:
         compute = ...
         transfer = ...
         wait = ...
+        collective = ...
 
     class Event:
         kind: schedule.EventKind
@@ -245,6 +258,7 @@ class schedule:
         num_ranks: int
         events: list[schedule.Event]
         peak_activation_bytes: list[int]
+        peak_bytes: list[int]
 
     @staticmethod
     def validate(graph: schedule.PipelineGraph, spec: schedule.ScheduleSpec) -> None: ...
@@ -256,7 +270,10 @@ class schedule:
     def simulate(program: schedule.Program, costs: schedule.Costs) -> schedule.Timeline: ...
     @staticmethod
     def timeline_stats(
-        ranks: Sequence[int], starts: Sequence[float], ends: Sequence[float]
+        ranks: Sequence[int],
+        starts: Sequence[float],
+        ends: Sequence[float],
+        busy: Sequence[bool] = ...,
     ) -> tuple[float, float]: ...
     @staticmethod
     def render_grid(spec: schedule.ScheduleSpec, marks: Sequence[tuple[int, int]]) -> str: ...
@@ -350,6 +367,7 @@ class runtime:
             weight_grad: Callable[[int, int, list[torch.Tensor]], None] | None = None,
             shapes: dict[tuple[int, int], list[int]] = ...,
             stage_done: Callable[[int], None] | None = None,
+            unshard: Callable[[int], None] | None = None,
             replay_rng: bool = True,
         ) -> None: ...
         def records(self) -> list[tuple[str, int, int, int, int, int, int, int]]: ...

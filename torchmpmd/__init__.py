@@ -18,7 +18,16 @@ from . import _C, checkpoint, schedules, viz
 from .graph import Pipe, from_stages, mark_stage_end
 from .planner import Balance, balance, trace
 from .runtime import CpuTuning, PipelineRunner, RunnerOptions, StepOutput, tune_cpu
-from .schedule import Costs, Program, Schedule, Task, Timeline, TimelineEvent, compile_schedule
+from .schedule import (
+    Costs,
+    Program,
+    Schedule,
+    StageCollectives,
+    Task,
+    Timeline,
+    TimelineEvent,
+    compile_schedule,
+)
 from .version import __version__
 
 # A step failed: a peer died or stalled, a task raised, or a microbatch did not
@@ -36,6 +45,7 @@ __all__ = [
     "Program",
     "RunnerOptions",
     "Schedule",
+    "StageCollectives",
     "StepOutput",
     "Task",
     "Timeline",

@@ -204,7 +204,7 @@ void bind_runtime(py::module_ m) {
           [](Executor& e, py::function forward, py::object input_grad,
              py::object weight_grad,
              std::map<std::pair<int32_t, int32_t>, std::vector<int64_t>> shapes,
-             py::object stage_done, bool replay_rng) {
+             py::object stage_done, py::object unshard, bool replay_rng) {
             runtime::StageFunctions fns =
                 wrap_functions(std::move(forward), std::move(input_grad),
                                std::move(weight_grad));
@@ -216,20 +216,29 @@ void bind_runtime(py::module_ m) {
                 call_tensors(*done, stage);
               };
             }
+            if (!unshard.is_none()) {
+              auto gather = hold(std::move(unshard));
+              fns.unshard = [gather](int32_t stage) {
+                call_tensors(*gather, stage);
+              };
+            }
             py::gil_scoped_release release;
             e.run(fns);
           },
           "Runs one step with this step's stage callables; blocks (without "
           "the GIL) until it is done. `shapes` maps (value, microbatch) to "
           "the shape that microbatch has where it differs from the plan's; "
-          "`stage_done(stage)` runs after the task that finishes a local "
-          "stage's weight gradients. `replay_rng=False`: a recompute leaves "
-          "the random generator to the forward callable.",
+          "`unshard(stage)` and `stage_done(stage)` run at the program's "
+          "UNSHARD and REDUCE_grads of a local stage (its data parallelism: "
+          "before its first task; after the task that finishes its weight "
+          "gradients). `replay_rng=False`: a recompute leaves the random "
+          "generator to the forward callable.",
           py::arg("forward"), py::arg("input_grad") = py::none(),
           py::arg("weight_grad") = py::none(),
           py::arg("shapes") =
               std::map<std::pair<int32_t, int32_t>, std::vector<int64_t>>{},
-          py::arg("stage_done") = py::none(), py::arg("replay_rng") = true)
+          py::arg("stage_done") = py::none(), py::arg("unshard") = py::none(),
+          py::arg("replay_rng") = true)
       .def_property_readonly("rank", &Executor::rank)
       .def_property_readonly("step_start_unix_ns",
                              &Executor::step_start_unix_ns)
@@ -240,19 +249,25 @@ void bind_runtime(py::module_ m) {
       .def(
           "records",
           [](const Executor& e) {
-            std::vector<std::tuple<char, int32_t, int32_t, int64_t, int64_t,
-                                   int64_t, int64_t, int64_t>>
+            std::vector<std::tuple<std::string, int32_t, int32_t, int64_t,
+                                   int64_t, int64_t, int64_t, int64_t>>
                 out;
             for (const auto& r : e.records()) {
-              out.emplace_back(schedule::kind_letter(r.task.kind), r.task.stage,
-                               r.task.microbatch, r.start_ns, r.end_ns,
-                               r.waited_ns, r.held_bytes, r.kept_bytes);
+              const std::string kind =
+                  r.op == schedule::Op::kUnshard ? "unshard"
+                  : r.op == schedule::Op::kReduceGrads
+                      ? "reduce_grads"
+                      : std::string(1, schedule::kind_letter(r.task.kind));
+              out.emplace_back(kind, r.task.stage, r.task.microbatch,
+                               r.start_ns, r.end_ns, r.waited_ns, r.held_bytes,
+                               r.kept_bytes);
             }
             return out;
           },
           "The tasks of the last run: (kind, stage, microbatch, start_ns, "
           "end_ns, waited_ns, held_bytes, kept_bytes); bytes -1 when not "
-          "measured.");
+          "measured. Data-parallel collectives have kind 'unshard' or "
+          "'reduce_grads' and microbatch -1.");
 
   m.def("keep_freed_memory", &keep_freed_memory, py::arg("mmap_threshold"),
         py::arg("trim_threshold"),

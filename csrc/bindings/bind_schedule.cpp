@@ -98,23 +98,33 @@ void bind_schedule(py::module_ m) {
       .def_readonly("edges", &PipelineGraph::edges)
       .def_readonly("tied", &PipelineGraph::tied);
 
+  py::class_<StageCollectives>(m, "StageCollectives")
+      .def(py::init([](bool unshard, bool reduce_grads) {
+             return StageCollectives{unshard, reduce_grads};
+           }),
+           py::arg("unshard") = false, py::arg("reduce_grads") = false)
+      .def_readonly("unshard", &StageCollectives::unshard)
+      .def_readonly("reduce_grads", &StageCollectives::reduce_grads);
+
   py::class_<ScheduleSpec>(m, "ScheduleSpec")
-      .def(
-          py::init([](int32_t num_ranks, int32_t num_microbatches,
-                      std::vector<int32_t> placement,
-                      std::vector<std::vector<Task>> tasks, bool forward_only) {
-            return ScheduleSpec{num_ranks, num_microbatches,
-                                std::move(placement), std::move(tasks),
-                                forward_only};
-          }),
-          py::arg("num_ranks"), py::arg("num_microbatches"),
-          py::arg("placement"), py::arg("tasks"),
-          py::arg("forward_only") = false)
+      .def(py::init([](int32_t num_ranks, int32_t num_microbatches,
+                       std::vector<int32_t> placement,
+                       std::vector<std::vector<Task>> tasks, bool forward_only,
+                       std::vector<StageCollectives> collectives) {
+             return ScheduleSpec{
+                 num_ranks,        num_microbatches, std::move(placement),
+                 std::move(tasks), forward_only,     std::move(collectives)};
+           }),
+           py::arg("num_ranks"), py::arg("num_microbatches"),
+           py::arg("placement"), py::arg("tasks"),
+           py::arg("forward_only") = false,
+           py::arg("collectives") = std::vector<StageCollectives>{})
       .def_readonly("num_ranks", &ScheduleSpec::num_ranks)
       .def_readonly("num_microbatches", &ScheduleSpec::num_microbatches)
       .def_readonly("placement", &ScheduleSpec::placement)
       .def_readonly("tasks", &ScheduleSpec::tasks)
-      .def_readonly("forward_only", &ScheduleSpec::forward_only);
+      .def_readonly("forward_only", &ScheduleSpec::forward_only)
+      .def_readonly("collectives", &ScheduleSpec::collectives);
 
   py::class_<Costs>(m, "Costs")
       .def(py::init<>())
@@ -127,6 +137,9 @@ void bind_schedule(py::module_ m) {
       .def_readwrite("weight_grad", &Costs::weight_grad)
       .def_readwrite("activation_bytes", &Costs::activation_bytes)
       .def_readwrite("weight_grad_bytes", &Costs::weight_grad_bytes)
+      .def_readwrite("unshard", &Costs::unshard)
+      .def_readwrite("reduce_grads", &Costs::reduce_grads)
+      .def_readwrite("unsharded_bytes", &Costs::unsharded_bytes)
       .def_readwrite("latency", &Costs::latency)
       .def_readwrite("bytes_per_unit", &Costs::bytes_per_unit)
       .def_readwrite("overlap_comm", &Costs::overlap_comm);
@@ -135,7 +148,9 @@ void bind_schedule(py::module_ m) {
       .value("compute", Op::kCompute)
       .value("send", Op::kSend)
       .value("recv", Op::kRecv)
-      .value("reduce_tied", Op::kReduceTied);
+      .value("reduce_tied", Op::kReduceTied)
+      .value("unshard", Op::kUnshard)
+      .value("reduce_grads", Op::kReduceGrads);
   py::enum_<Payload>(m, "Payload")
       .value("activation", Payload::kActivation)
       .value("grad", Payload::kGrad)
@@ -166,7 +181,8 @@ void bind_schedule(py::module_ m) {
   py::enum_<EventKind>(m, "EventKind")
       .value("compute", EventKind::kCompute)
       .value("transfer", EventKind::kTransfer)
-      .value("wait", EventKind::kWait);
+      .value("wait", EventKind::kWait)
+      .value("collective", EventKind::kCollective);
   py::class_<Event>(m, "Event")
       .def_readonly("kind", &Event::kind)
       .def_readonly("rank", &Event::rank)
@@ -178,7 +194,8 @@ void bind_schedule(py::module_ m) {
   py::class_<Timeline>(m, "Timeline")
       .def_readonly("num_ranks", &Timeline::num_ranks)
       .def_readonly("events", &Timeline::events)
-      .def_readonly("peak_activation_bytes", &Timeline::peak_activation_bytes);
+      .def_readonly("peak_activation_bytes", &Timeline::peak_activation_bytes)
+      .def_readonly("peak_bytes", &Timeline::peak_bytes);
 
   m.def("validate", &validate, py::arg("graph"), py::arg("spec"),
         py::call_guard<py::gil_scoped_release>());
@@ -189,13 +206,16 @@ void bind_schedule(py::module_ m) {
   m.def(
       "timeline_stats",
       [](const std::vector<int32_t>& ranks, const std::vector<double>& starts,
-         const std::vector<double>& ends) {
-        const TimelineStats s = timeline_stats(ranks, starts, ends);
+         const std::vector<double>& ends, const std::vector<bool>& busy) {
+        const TimelineStats s = timeline_stats(ranks, starts, ends, busy);
         return std::make_pair(s.step_time, s.bubble_fraction);
       },
       "(step time, bubble fraction) of task intervals: last end - first "
-      "start, and 1 - busy / (step time * distinct ranks); (0, 0) for none.",
-      py::arg("ranks"), py::arg("starts"), py::arg("ends"));
+      "start, and 1 - busy / (step time * distinct ranks); (0, 0) for none. "
+      "Intervals whose `busy` flag is False (data-parallel collectives) "
+      "count toward the step time only.",
+      py::arg("ranks"), py::arg("starts"), py::arg("ends"),
+      py::arg("busy") = std::vector<bool>{});
   m.def("render_grid", &render_grid, py::arg("spec"), py::arg("marks"));
 }
 

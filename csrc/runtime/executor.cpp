@@ -66,15 +66,6 @@ Executor::Executor(int32_t rank, const schedule::Program& program,
       grad_parts_expected_[v] += n;
     }
   }
-  std::map<int32_t, size_t> last_weight_grads;
-  for (size_t i = 0; i < code_.size(); ++i) {
-    const Instruction& ins = code_[i];
-    if (ins.op == Op::kCompute &&
-        schedule::info(ins.task.kind).finishes_weight_grads) {
-      last_weight_grads[ins.task.stage] = i;
-    }
-  }
-  for (const auto& [stage, pc] : last_weight_grads) stage_done_at_[pc] = stage;
   find_replies();
   for (const auto& [id, param] : tied_) {
     TORCH_CHECK(param.defined(), "torchmpmd: tied parameter ", id,
@@ -167,6 +158,10 @@ void Executor::execute(size_t pc, State& st) {
     case Op::kRecv:
       if (!st.issued[pc]) post_recv(pc, st);
       return;
+    case Op::kUnshard:
+    case Op::kReduceGrads:
+      collective(ins, st);
+      return;
     case Op::kReduceTied:
     case Op::kCompute:
       break;
@@ -211,7 +206,7 @@ void Executor::execute(size_t pc, State& st) {
     held = st.memory->sample();
   }
   records_.push_back(
-      {ins.task,
+      {ins.task, Op::kCompute,
        std::chrono::duration_cast<std::chrono::nanoseconds>(start - st.t0)
            .count(),
        std::chrono::duration_cast<std::chrono::nanoseconds>(end - st.t0)
@@ -219,6 +214,33 @@ void Executor::execute(size_t pc, State& st) {
        std::chrono::duration_cast<std::chrono::nanoseconds>(start - wait_start)
            .count(),
        held, kept});
+}
+
+void Executor::collective(const Instruction& ins, State& st) {
+  const bool unshard = ins.op == Op::kUnshard;
+  const auto& fn = unshard ? st.fns->unshard : st.fns->stage_done;
+  if (!fn) return;
+  const auto start = Clock::now();
+  const size_t device_start = st.device ? st.device->mark() : 0;
+  try {
+    fn(ins.value);
+  } catch (const std::exception& e) {
+    throw ExecutorError(
+        c10::str("torchmpmd: rank ", rank_, ": ",
+                 unshard ? "gathering" : "reducing the gradients of", " stage ",
+                 ins.value, " (its data parallelism, ",
+                 schedule::to_string(ins), ") failed: ", message_of(e)));
+  }
+  const auto end = Clock::now();
+  if (st.device) st.device_marks.emplace_back(device_start, st.device->mark());
+  schedule::Task task;
+  task.stage = ins.value;
+  task.microbatch = -1;
+  const auto ns = [&](Clock::time_point t) {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(t - st.t0)
+        .count();
+  };
+  records_.push_back({task, ins.op, ns(start), ns(end), 0, -1, -1});
 }
 
 void Executor::finish_on_device(State& st) {
@@ -295,19 +317,6 @@ void Executor::run(const StageFunctions& functions) {
     for (size_t pc = 0; pc < code_.size(); ++pc) {
       execute(pc, st);
       reap_sends(st, /*all=*/false);
-      if (functions.stage_done) {
-        const auto done = stage_done_at_.find(pc);
-        if (done != stage_done_at_.end()) {
-          try {
-            functions.stage_done(done->second);
-          } catch (const std::exception& e) {
-            throw ExecutorError(c10::str(
-                "torchmpmd: rank ", rank_, ": what runs once stage ",
-                done->second,
-                "'s weight gradients are done failed: ", message_of(e)));
-          }
-        }
-      }
     }
     reap_sends(st, /*all=*/true);
     if (st.device) finish_on_device(st);

@@ -87,9 +87,12 @@ struct StageFunctions {
   // from the plan's (a smaller last microbatch); receives of that value and
   // its gradient are allocated, and sends checked, with it.
   std::map<std::pair<int32_t, int32_t>, std::vector<int64_t>> shapes;
-  // Optional: called right after the task that finishes a local stage's
-  // weight gradients for the step (its last B or W), e.g. to start their
-  // data-parallel reduction while the rest of the schedule runs.
+  // Optional: a local stage's data-parallel collectives, run where the
+  // program has them (ScheduleSpec::collectives): `unshard(stage)` before
+  // the stage's first task of the step, `stage_done(stage)` right after the
+  // task that finishes its weight gradients (its last B or W), to start
+  // their reduction while the rest of the schedule runs.
+  std::function<void(int32_t stage)> unshard;
   std::function<void(int32_t stage)> stage_done;
   // Whether a recompute (R) replays its forward's random numbers by saving
   // and restoring the device's default generator. False when the forward
@@ -112,6 +115,9 @@ struct ExecutorOptions {
 // the device ran it, from events recorded around the task on its stream).
 struct TaskRecord {
   schedule::Task task;
+  // kCompute: a task; kUnshard / kReduceGrads: a data-parallel collective of
+  // stage task.stage (microbatch -1).
+  schedule::Op op = schedule::Op::kCompute;
   int64_t start_ns = 0;
   int64_t end_ns = 0;
   int64_t waited_ns = 0;  // spent waiting for its receives before start
@@ -181,6 +187,8 @@ class Executor {
   void weight_grad(const schedule::Task& task, State& st);
   void send(const schedule::Instruction& ins, State& st);
   void reduce_tied(const schedule::Instruction& ins, State& st);
+  // Runs the data-parallel collective `ins` (unshard, reduce grads).
+  void collective(const schedule::Instruction& ins, State& st);
   at::Tensor take_activation(int32_t value, int32_t mb, State& st);
   at::Tensor sum_grad_parts(int32_t value, int32_t mb, State& st);
   std::string describe(const schedule::Instruction& ins) const;
@@ -212,8 +220,6 @@ class Executor {
   // Receive index -> our sends it proves delivered: the peer sent this
   // message after the task that read them (so after receiving them).
   std::map<size_t, std::vector<size_t>> delivered_by_;
-  // Instruction index -> the stage whose weight gradients it finishes last.
-  std::map<size_t, int32_t> stage_done_at_;
   std::vector<TaskRecord> records_;
   int64_t step_start_unix_ns_ = 0;
   int64_t peak_held_bytes_ = -1;

@@ -32,12 +32,44 @@ void Costs::check(int32_t num_stages) const {
                    weight_grad[s] >= 0,
                "schedule: costs of stage ", s, " must not be negative");
   }
+  const auto per_stage_or_none = [&](size_t n, const char* name) {
+    MPMD_CHECK(n == 0 || ok(n), "schedule: costs.", name,
+               " must give one value per stage (", num_stages,
+               " stages) or none, got ", n);
+  };
+  per_stage_or_none(unshard.size(), "unshard");
+  per_stage_or_none(reduce_grads.size(), "reduce_grads");
+  per_stage_or_none(unsharded_bytes.size(), "unsharded_bytes");
+  for (size_t s = 0; s < unshard.size(); ++s) {
+    MPMD_CHECK(unshard[s] >= 0, "schedule: unshard cost of stage ", s,
+               " must not be negative");
+  }
+  for (size_t s = 0; s < reduce_grads.size(); ++s) {
+    MPMD_CHECK(reduce_grads[s] >= 0, "schedule: reduce_grads cost of stage ", s,
+               " must not be negative");
+  }
+  for (size_t s = 0; s < unsharded_bytes.size(); ++s) {
+    MPMD_CHECK(unsharded_bytes[s] >= 0, "schedule: unsharded_bytes of stage ",
+               s, " must not be negative");
+  }
   MPMD_CHECK(latency >= 0 && bytes_per_unit >= 0,
              "schedule: latency and bandwidth must not be negative");
 }
 
 double Costs::of(const Task& task) const {
   return (this->*info(task.kind).cost).at(task.stage);
+}
+
+double Costs::unshard_time(int32_t stage) const {
+  return unshard.empty() ? 0.0 : unshard.at(stage);
+}
+
+double Costs::reduce_grads_time(int32_t stage) const {
+  return reduce_grads.empty() ? 0.0 : reduce_grads.at(stage);
+}
+
+int64_t Costs::unsharded_bytes_of(int32_t stage) const {
+  return unsharded_bytes.empty() ? 0 : unsharded_bytes.at(stage);
 }
 
 double Costs::wire_time(int64_t bytes) const {

@@ -20,6 +20,13 @@ struct Costs {
   // its backward; W-only bytes are what stays after I, until W.
   std::vector<int64_t> activation_bytes;
   std::vector<int64_t> weight_grad_bytes;
+  // Data parallelism (ScheduleSpec::collectives), per stage or empty (free):
+  // the time an unshard blocks its rank, the time a gradient reduction
+  // occupies the rank's collective channel (beside its compute), and the
+  // bytes an unsharded stage holds from its unshard to its reduction.
+  std::vector<double> unshard;
+  std::vector<double> reduce_grads;
+  std::vector<int64_t> unsharded_bytes;
   double latency = 0;         // per message
   double bytes_per_unit = 0;  // link bandwidth; 0 = infinitely fast
   bool overlap_comm = true;   // sends run in the background
@@ -33,6 +40,11 @@ struct Costs {
   // Time the link is busy with one message (the machine model adds latency
   // and contention).
   double wire_time(int64_t bytes) const;
+  // A stage's data-parallel collectives: their times and the bytes its
+  // unshard holds (0 where not given).
+  double unshard_time(int32_t stage) const;
+  double reduce_grads_time(int32_t stage) const;
+  int64_t unsharded_bytes_of(int32_t stage) const;
   void check(int32_t num_stages) const;
 };
 

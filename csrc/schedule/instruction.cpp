@@ -23,6 +23,10 @@ std::string to_string(const Instruction& ins) {
                              ")");
     case Op::kReduceTied:
       return detail::str_cat("REDUCE_tied(p", ins.value, ")");
+    case Op::kUnshard:
+      return detail::str_cat("UNSHARD(s", ins.value, ")");
+    case Op::kReduceGrads:
+      return detail::str_cat("REDUCE_grads(s", ins.value, ")");
   }
   return "?";
 }

@@ -17,6 +17,9 @@ enum class Op : uint8_t {
   kSend,        // start sending `payload` to `peer`
   kRecv,        // post the receive of `payload` from `peer`
   kReduceTied,  // sum the tied gradient of group `value` over its holders
+  // Data parallelism (ScheduleSpec::collectives) of stage `value`:
+  kUnshard,      // gather its parameters (blocks the rank)
+  kReduceGrads,  // start reducing its gradients (beside the compute)
 };
 
 enum class Payload : uint8_t {
@@ -30,7 +33,7 @@ struct Instruction {
   Task task;  // kCompute
   Payload payload = Payload::kActivation;
   int32_t peer = -1;   // kSend/kRecv: the other rank
-  int32_t value = -1;  // value id, or tied parameter id
+  int32_t value = -1;  // value id, tied parameter id, or stage
   int32_t microbatch = -1;
   int32_t src_stage = -1;  // the stage that produced the value
   // kActivation: consumer stages on the receiving rank. kGrad: consumer

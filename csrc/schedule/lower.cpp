@@ -56,6 +56,9 @@ class Lowering {
   void send_activations(int32_t rank, const Task& t);
   void send_input_grads(int32_t rank, const Task& t);
   void send_tied_grads(int32_t rank, const Task& t);
+  // The stage's data-parallel collectives around task `t` (spec.collectives).
+  void unshard_before(int32_t rank, const Task& t);
+  void reduce_grads_after(int32_t rank, const Task& t);
 
   const ScheduleSpec& spec_;
   const TaskPositions positions_;
@@ -66,6 +69,10 @@ class Lowering {
   std::vector<TiedState> tied_;
   std::vector<bool> done_;
   std::vector<int32_t> pos_;  // per rank, its next task
+  // Per stage: whether it was unsharded yet; its tasks left that finish
+  // weight gradients (the last one reduces them).
+  std::vector<bool> unsharded_;
+  std::vector<int32_t> weight_grads_left_;
   // (value, mb, rank) -> backward tasks of local consumers still to run.
   std::map<std::tuple<int32_t, int32_t, int32_t>, int32_t> grads_pending_;
 };
@@ -82,6 +89,13 @@ Lowering::Lowering(const PipelineGraph& graph, const ScheduleSpec& spec,
   prog_.graph = graph;
   prog_.ranks.assign(spec.num_ranks, {});
   if (spec.forward_only) return;
+  unsharded_.assign(graph.num_stages, false);
+  weight_grads_left_.assign(graph.num_stages, 0);
+  for (const auto& tasks : spec.tasks) {
+    for (const Task& t : tasks) {
+      if (info(t.kind).finishes_weight_grads) ++weight_grads_left_[t.stage];
+    }
+  }
   for (const TiedGroup& g : graph.tied) {
     TiedState st{&g, {}, {}};
     for (const int32_t s : g.stages) {
@@ -239,6 +253,27 @@ void Lowering::send_tied_grads(int32_t rank, const Task& t) {
   }
 }
 
+void Lowering::unshard_before(int32_t rank, const Task& t) {
+  if (spec_.forward_only || spec_.collectives.empty()) return;
+  if (!spec_.collectives[t.stage].unshard || unsharded_[t.stage]) return;
+  unsharded_[t.stage] = true;
+  Instruction ins;
+  ins.op = Op::kUnshard;
+  ins.value = t.stage;
+  emit(rank, std::move(ins));
+}
+
+void Lowering::reduce_grads_after(int32_t rank, const Task& t) {
+  if (spec_.forward_only || spec_.collectives.empty()) return;
+  if (!info(t.kind).finishes_weight_grads) return;
+  if (--weight_grads_left_[t.stage] > 0) return;
+  if (!spec_.collectives[t.stage].reduce_grads) return;
+  Instruction ins;
+  ins.op = Op::kReduceGrads;
+  ins.value = t.stage;
+  emit(rank, std::move(ins));
+}
+
 Program Lowering::run() && {
   size_t total = 0;
   for (const auto& l : spec_.tasks) total += l.size();
@@ -249,11 +284,13 @@ Program Lowering::run() && {
     const Task t = spec_.tasks[r][pos_[r]++];
     machine_.run(r, compute(t), start);
     done_[positions_.index(t)] = true;
+    unshard_before(r, t);
     emit(r, compute(t));
     const TaskKindInfo& kind = info(t.kind);
     if (kind.emits_activations) send_activations(r, t);
     if (kind.emits_input_grads && !spec_.forward_only) send_input_grads(r, t);
     if (kind.finishes_weight_grads) send_tied_grads(r, t);
+    reduce_grads_after(r, t);
   }
   for (const auto& st : tied_) {
     for (const int32_t h : st.holders) {

@@ -7,7 +7,10 @@
 namespace torchmpmd::schedule {
 
 Machine::Machine(int32_t num_ranks, Costs costs)
-    : costs_(std::move(costs)), clock_(num_ranks, 0.0), posted_(num_ranks) {}
+    : costs_(std::move(costs)),
+      clock_(num_ranks, 0.0),
+      collective_free_(num_ranks, 0.0),
+      posted_(num_ranks) {}
 
 Machine::Interval Machine::send(int32_t rank, const Instruction& ins) {
   double& free_at = link_free_[{rank, ins.peer}];
@@ -41,10 +44,19 @@ double Machine::run(int32_t rank, const Instruction& ins, double start) {
       std::remove_if(pending.begin(), pending.end(),
                      [&](const Instruction& recv) { return reads(ins, recv); }),
       pending.end());
-  const double end =
-      ins.op == Op::kCompute ? start + costs_.of(ins.task) : start;
+  double end = start;
+  if (ins.op == Op::kCompute) end += costs_.of(ins.task);
+  if (ins.op == Op::kUnshard) end += costs_.unshard_time(ins.value);
   clock_.at(rank) = end;
   return end;
+}
+
+Machine::Interval Machine::reduce_grads(int32_t rank, const Instruction& ins) {
+  double& free_at = collective_free_.at(rank);
+  const double start = std::max(clock_.at(rank), free_at);
+  free_at = start + costs_.reduce_grads_time(ins.value);
+  if (!costs_.overlap_comm) clock_[rank] = free_at;
+  return {start, free_at};
 }
 
 }  // namespace torchmpmd::schedule

@@ -8,6 +8,9 @@
 // `latency` after it leaves the wire. With `overlap_comm` the sender goes on
 // computing meanwhile; without it, the sender is busy for the wire time. A
 // task starts when its rank is free and every message it reads has arrived.
+// A data-parallel unshard blocks its rank for its cost; a gradient reduction
+// occupies the rank's collective channel (one at a time) and, with
+// `overlap_comm`, leaves the rank computing meanwhile.
 #pragma once
 
 #include <cstdint>
@@ -43,13 +46,18 @@ class Machine {
   // the arrival of every posted receive it reads; nullopt while one of them
   // has not been sent yet.
   std::optional<double> ready(int32_t rank, const Instruction& ins) const;
-  // Runs `ins` from `start` (at least ready()), consuming the receives it
-  // reads; returns its end (a reduce takes no time).
+  // Runs the compute, tied reduce or unshard `ins` from `start` (at least
+  // ready()), consuming the receives it reads; returns its end (a tied
+  // reduce takes no time).
   double run(int32_t rank, const Instruction& ins, double start);
+  // Starts the gradient reduction `ins` of `rank` once the rank and its
+  // collective channel are free; returns when it runs.
+  Interval reduce_grads(int32_t rank, const Instruction& ins);
 
  private:
   Costs costs_;
   std::vector<double> clock_;
+  std::vector<double> collective_free_;                      // per rank
   std::map<std::pair<int32_t, int32_t>, double> link_free_;  // (src, dst)
   std::map<std::tuple<int32_t, int32_t, int64_t>, double> arrival_;
   std::vector<std::vector<Instruction>> posted_;  // per rank, not yet read

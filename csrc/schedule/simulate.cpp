@@ -16,9 +16,28 @@ Timeline simulate(const Program& program, const Costs& costs) {
   Timeline tl;
   tl.num_ranks = R;
   tl.peak_activation_bytes.assign(R, 0);
+  tl.peak_bytes.assign(R, 0);
   Machine machine(R, costs);
   std::vector<size_t> pc(R, 0);
-  std::vector<int64_t> live(R, 0);
+  std::vector<int64_t> live(R, 0);      // activations
+  std::vector<int64_t> gathered(R, 0);  // unsharded parameters
+  const auto collective = [&](int32_t r, const Instruction& ins, double start,
+                              double end) {
+    Event e;
+    e.kind = EventKind::kCollective;
+    e.rank = r;
+    e.task.stage = ins.value;
+    e.task.microbatch = -1;
+    e.label = ins.op == Op::kUnshard ? "unshard" : "reduce_grads";
+    e.start = start;
+    e.end = end;
+    tl.events.push_back(e);
+  };
+  const auto peaks = [&](int32_t r) {
+    tl.peak_activation_bytes[r] =
+        std::max(tl.peak_activation_bytes[r], live[r]);
+    tl.peak_bytes[r] = std::max(tl.peak_bytes[r], live[r] + gathered[r]);
+  };
 
   // (stage, mb) whose forward keeps nothing for the backward: the schedule
   // rebuilds it with a recompute task.
@@ -41,7 +60,8 @@ Timeline simulate(const Program& program, const Costs& costs) {
       if (pc[r] >= program.ranks[r].size()) continue;
       const Instruction& ins = program.ranks[r][pc[r]];
       std::optional<double> start = machine.clock(r);
-      if (ins.op == Op::kCompute || ins.op == Op::kReduceTied) {
+      if (ins.op == Op::kCompute || ins.op == Op::kReduceTied ||
+          ins.op == Op::kUnshard) {
         start = machine.ready(r, ins);
       }
       if (start && *start < best_time) {
@@ -71,6 +91,24 @@ Timeline simulate(const Program& program, const Costs& costs) {
       case Op::kRecv:
         machine.post(r, ins);
         break;
+      case Op::kUnshard: {
+        const double end = machine.run(r, ins, best_time);
+        gathered[r] += costs.unsharded_bytes_of(ins.value);
+        peaks(r);
+        collective(r, ins, best_time, end);
+        break;
+      }
+      case Op::kReduceGrads: {
+        // What the stage gathered is given back (resharded) as its
+        // reduction starts.
+        const Machine::Interval in_flight = machine.reduce_grads(r, ins);
+        const auto& spec = program.spec.collectives;
+        if (spec.at(ins.value).unshard) {
+          gathered[r] -= costs.unsharded_bytes_of(ins.value);
+        }
+        collective(r, ins, in_flight.start, in_flight.end);
+        break;
+      }
       case Op::kCompute:
       case Op::kReduceTied: {
         if (best_time > machine.clock(r)) {
@@ -96,8 +134,7 @@ Timeline simulate(const Program& program, const Costs& costs) {
               std::min(costs.weight_grad_bytes[t.stage], act);
           live[r] += effect.activation * act + effect.weight_only * wbytes;
         }
-        tl.peak_activation_bytes[r] =
-            std::max(tl.peak_activation_bytes[r], live[r]);
+        peaks(r);
         Event e;
         e.kind = EventKind::kCompute;
         e.rank = r;

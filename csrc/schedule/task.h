@@ -35,12 +35,27 @@ std::string to_action(const Task& task);
 // Parses "2F5"; throws torchmpmd::Error naming the text when malformed.
 Task parse_action(const std::string& text);
 
+// What a stage's data parallelism does around its tasks of a training step,
+// as torch.distributed.pipelining's UNSHARD / RESHARD / REDUCE_GRAD actions:
+// the lowering places them in the program (Op::kUnshard, Op::kReduceGrads),
+// the simulator charges them (Costs) and the executor runs them.
+struct StageCollectives {
+  // Gather the stage's parameters before its first task (FSDP's unshard).
+  bool unshard = false;
+  // Reduce the stage's gradients right after its last task that finishes
+  // them, beside the rest of the schedule (and reshard an unsharded stage).
+  bool reduce_grads = false;
+};
+
 struct ScheduleSpec {
   int32_t num_ranks = 0;
   int32_t num_microbatches = 0;
   std::vector<int32_t> placement;        // stage -> rank
   std::vector<std::vector<Task>> tasks;  // per rank, in execution order
   bool forward_only = false;             // F tasks only (evaluation)
+  // Per stage, or empty: no data parallelism. Forward-only programs get
+  // none (a data parallelism gathers for evaluation by itself).
+  std::vector<StageCollectives> collectives;
 };
 
 }  // namespace torchmpmd::schedule

@@ -142,6 +142,11 @@ TaskPositions locate(const PipelineGraph& graph, const ScheduleSpec& spec) {
              "schedule: the placement has ", spec.placement.size(),
              " entries but the pipeline has ", S,
              " stages; give one rank per stage");
+  MPMD_CHECK(spec.collectives.empty() ||
+                 static_cast<int32_t>(spec.collectives.size()) == S,
+             "schedule: the data-parallel collectives give ",
+             spec.collectives.size(), " entries but the pipeline has ", S,
+             " stages; give one per stage, or none");
   MPMD_CHECK(static_cast<int32_t>(spec.tasks.size()) == R,
              "schedule: got task lists for ", spec.tasks.size(),
              " ranks but num_ranks is ", R);

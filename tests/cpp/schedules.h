@@ -40,7 +40,7 @@ inline std::vector<int32_t> loop_placement(int stages, int ranks) {
 
 // All forwards of the rank's stages (stage-major), then all backwards.
 inline ScheduleSpec gpipe(int stages, int ranks, int mbs) {
-  ScheduleSpec spec{ranks, mbs, loop_placement(stages, ranks), {}, false};
+  ScheduleSpec spec{ranks, mbs, loop_placement(stages, ranks), {}, false, {}};
   spec.tasks.resize(ranks);
   for (int r = 0; r < ranks; ++r) {
     for (int s = r; s < stages; s += ranks) {
@@ -56,7 +56,7 @@ inline ScheduleSpec gpipe(int stages, int ranks, int mbs) {
 
 // Classic 1F1B, one stage per rank.
 inline ScheduleSpec one_f_one_b(int ranks, int mbs) {
-  ScheduleSpec spec{ranks, mbs, loop_placement(ranks, ranks), {}, false};
+  ScheduleSpec spec{ranks, mbs, loop_placement(ranks, ranks), {}, false, {}};
   spec.tasks.resize(ranks);
   for (int r = 0; r < ranks; ++r) {
     const int warmup = std::min(ranks - r - 1, mbs);
@@ -75,7 +75,7 @@ inline ScheduleSpec one_f_one_b(int ranks, int mbs) {
 // ZB-H1 (Qi et al.): 1F1B with the backward split in I and W; rank r keeps
 // up to r weight-gradient passes pending, which fills the cool-down bubble.
 inline ScheduleSpec zb_h1(int ranks, int mbs) {
-  ScheduleSpec spec{ranks, mbs, loop_placement(ranks, ranks), {}, false};
+  ScheduleSpec spec{ranks, mbs, loop_placement(ranks, ranks), {}, false, {}};
   spec.tasks.resize(ranks);
   for (int r = 0; r < ranks; ++r) {
     auto& l = spec.tasks[r];

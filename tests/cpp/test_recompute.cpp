@@ -45,7 +45,7 @@ TEST(Recompute, ParsesAndPrints) {
 TEST(Recompute, ValidationNamesTheTask) {
   const auto g = PipelineGraph::chain(1);
   const auto one = [](std::vector<Task> tasks) {
-    return ScheduleSpec{1, 1, {0}, {std::move(tasks)}, false};
+    return ScheduleSpec{1, 1, {0}, {std::move(tasks)}, false, {}};
   };
   EXPECT_EQ(lower_error(g, one({F(0, 0), R(0, 0), B(0, 0)})), "<no error>");
   EXPECT_EQ(lower_error(g, one({F(0, 0), R(0, 0), I(0, 0), W(0, 0)})),
@@ -68,7 +68,7 @@ TEST(Recompute, ValidationNamesTheTask) {
   EXPECT_THAT(lower_error(g, one({F(0, 0), R(0, 0), R(0, 0), B(0, 0)})),
               HasSubstr("schedule: task R(stage=0, mb=0) appears twice (rank "
                         "0 position 1 and rank 0 position 2)"));
-  ScheduleSpec eval{1, 1, {0}, {{F(0, 0), R(0, 0)}}, true};
+  ScheduleSpec eval{1, 1, {0}, {{F(0, 0), R(0, 0)}}, true, {}};
   EXPECT_THAT(lower_error(g, eval),
               HasSubstr("task R(stage=0, mb=0) in a forward-only program"));
   // On the rank of its stage, like every task.

@@ -124,7 +124,7 @@ TEST(Lower, SkipConnectionGoesDirectly) {
 TEST(Lower, SameRankStagesHandOverInMemory) {
   const auto g = PipelineGraph::chain(4);
   // Stages 0,1 on rank 0 and 2,3 on rank 1.
-  ScheduleSpec spec{2, 2, {0, 0, 1, 1}, {}, false};
+  ScheduleSpec spec{2, 2, {0, 0, 1, 1}, {}, false, {}};
   spec.tasks = {
       {F(0, 0), F(1, 0), F(0, 1), F(1, 1), B(1, 0), B(0, 0), B(1, 1), B(0, 1)},
       {F(2, 0), F(3, 0), F(2, 1), F(3, 1), B(3, 0), B(2, 0), B(3, 1), B(2, 1)}};
@@ -288,17 +288,17 @@ TEST(Validate, DependencyOrderOnOneRank) {
                         "depends on\n  rank 0: 0F0 0F1 0B0 0B1\n  rank 1: "
                         "[1B0] 1F1 [1F0] 1B1\n"));
 
-  ScheduleSpec split{1, 1, {0}, {{F(0, 0), W(0, 0), I(0, 0)}}, false};
+  ScheduleSpec split{1, 1, {0}, {{F(0, 0), W(0, 0), I(0, 0)}}, false, {}};
   EXPECT_THAT(lower_error(PipelineGraph::chain(1), split),
               HasSubstr("rank 0 runs W(stage=0, mb=0) (position 1) before "
                         "I(stage=0, mb=0) (position 2)"));
-  ScheduleSpec mixed{1, 1, {0}, {{F(0, 0), B(0, 0), W(0, 0)}}, false};
+  ScheduleSpec mixed{1, 1, {0}, {{F(0, 0), B(0, 0), W(0, 0)}}, false, {}};
   EXPECT_THAT(lower_error(PipelineGraph::chain(1), mixed),
               HasSubstr("has both a full backward B(stage=0, mb=0) and a split "
                         "one (I/W)"));
   // A consumer before its producer on the same rank.
-  ScheduleSpec looped{
-      1, 1, {0, 0}, {{F(1, 0), F(0, 0), B(1, 0), B(0, 0)}}, false};
+  ScheduleSpec looped{1,     1, {0, 0}, {{F(1, 0), F(0, 0), B(1, 0), B(0, 0)}},
+                      false, {}};
   EXPECT_THAT(lower_error(PipelineGraph::chain(2), looped),
               HasSubstr("rank 0 runs F(stage=1, mb=0) (position 0) before "
                         "F(stage=0, mb=0) (position 1)"));
@@ -306,7 +306,7 @@ TEST(Validate, DependencyOrderOnOneRank) {
 
 TEST(Validate, CrossRankDeadlockShowsWhereEachRankStopped) {
   const auto g = PipelineGraph::chain(2);
-  ScheduleSpec spec{2, 2, {0, 1}, {}, false};
+  ScheduleSpec spec{2, 2, {0, 1}, {}, false, {}};
   spec.tasks = {{F(0, 0), B(0, 0), F(0, 1), B(0, 1)},
                 {F(1, 1), F(1, 0), B(1, 0), B(1, 1)}};
   EXPECT_EQ(lower_error(g, spec),
@@ -320,8 +320,8 @@ TEST(Validate, CrossRankDeadlockShowsWhereEachRankStopped) {
 
 TEST(Validate, ForwardOnlyPrograms) {
   const auto g = PipelineGraph::chain(2);
-  ScheduleSpec spec{
-      2, 2, {0, 1}, {{F(0, 0), F(0, 1)}, {F(1, 0), F(1, 1)}}, true};
+  ScheduleSpec spec{2,    2, {0, 1}, {{F(0, 0), F(0, 1)}, {F(1, 0), F(1, 1)}},
+                    true, {}};
   const Program p = lower(g, spec, Costs::uniform(2));
   EXPECT_EQ(count(p, 0, Op::kSend, Payload::kActivation), 2);
   EXPECT_EQ(count(p, 0, Op::kRecv, Payload::kGrad), 0);

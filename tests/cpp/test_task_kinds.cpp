@@ -84,11 +84,10 @@ TEST(TaskKinds, ReadsFollowsTheTable) {
 TEST(TaskKinds, DependenciesFollowTheTable) {
   const auto g = schedule::PipelineGraph::chain(2);
   const schedule::Flow flow(g);
-  ScheduleSpec split{2,
-                     1,
-                     {0, 1},
-                     {{F(0, 0), I(0, 0), W(0, 0)}, {F(1, 0), I(1, 0), W(1, 0)}},
-                     false};
+  ScheduleSpec split{
+      2,      1,
+      {0, 1}, {{F(0, 0), I(0, 0), W(0, 0)}, {F(1, 0), I(1, 0), W(1, 0)}},
+      false,  {}};
   const auto pos = schedule::locate(g, split);
   using V = std::vector<Task>;
   EXPECT_EQ(schedule::dependencies(F(1, 0), flow, pos, false), V{F(0, 0)});

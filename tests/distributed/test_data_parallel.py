@@ -7,8 +7,6 @@ gradient norm too."""
 
 from __future__ import annotations
 
-import time
-
 import torch
 from harness import check_all, run_ranks
 from models import CASES
@@ -70,15 +68,6 @@ def train_on_mesh(rank: int, world: int, combos: list[tuple[str, int, str, int]]
         )
         opt = torch.optim.AdamW(runner.parameters(), lr=1e-2, weight_decay=0.01)
         local = dict(runner.named_parameters())
-        # When each stage's gradient averaging starts (wall clock).
-        launched: list[tuple[int, float]] = []
-        stage_done = runner._dp.stage_done
-
-        def record(stage, stage_done=stage_done, launched=launched):
-            launched.append((stage, time.time()))
-            stage_done(stage)
-
-        runner._dp.stage_done = record
         for step in range(3):
             (x,), _ = case.inputs(MICROBATCH * m * DP)
             x = (x + step) % 64
@@ -97,6 +86,7 @@ def train_on_mesh(rank: int, world: int, combos: list[tuple[str, int, str, int]]
             shard = slice(dp_rank * MICROBATCH * m, (dp_rank + 1) * MICROBATCH * m)
             out = runner.step(x[shard], target=y[shard])
             what = f"{mode} {schedule_name} step {step} rank {rank}"
+            _check_collectives(runner, mode, what)
             torch.testing.assert_close(
                 out.loss, torch.stack(losses).mean(), rtol=1e-12, atol=1e-12, msg=what
             )
@@ -126,14 +116,35 @@ def train_on_mesh(rank: int, world: int, combos: list[tuple[str, int, str, int]]
             whole = sum(p.numel() for p in local.values())
             assert held <= 1.1 * whole / DP, (held, whole)
             assert any(isinstance(p, DTensor) for p in local.values())
-        # Every local stage's averaging started once per step, the first
-        # of them while the rank still had tasks to run: it overlaps them.
-        assert sorted(s for s, _ in launched) == sorted(runner.local_stages * 3)
-        last_task_end = max(e.end for e in runner.timeline.tasks)
-        if len(runner.local_stages) > 1:
-            assert launched[-2][1] < last_task_end, (launched, last_task_end)
         done.append(f"{schedule_name}: stages {runner.local_stages}, dp {runner.dp_size}")
     return done
+
+
+def _check_collectives(runner, mode: str, what: str) -> None:
+    """The step ran its program's collectives, as the simulator sees them:
+    FSDP gathered each local stage before its first task; every local
+    stage's gradient reduction started once, the first of them while the
+    rank still had tasks to run (it overlaps them)."""
+    program = "\n".join(runner.program.instructions(runner.rank))
+    tl = runner.timeline
+    reduced = [e for e in tl.events if e.kind == "reduce_grads"]
+    gathered = [e for e in tl.events if e.kind == "unshard"]
+    assert sorted(e.stage for e in reduced) == sorted(runner.local_stages), (what, reduced)
+    for s in runner.local_stages:
+        assert f"REDUCE_grads(s{s})" in program, (what, program)
+        assert (f"UNSHARD(s{s})" in program) == mode.startswith("fsdp"), (what, program)
+    if mode.startswith("fsdp"):
+        assert sorted(e.stage for e in gathered) == sorted(runner.local_stages), (what, gathered)
+        for e in gathered:
+            first = min(t.start for t in tl.tasks if t.stage == e.stage)
+            assert e.end <= first, (what, e, first)
+    else:
+        assert not gathered, (what, gathered)
+    for e in reduced:
+        last = max(t.end for t in tl.tasks if t.stage == e.stage)
+        assert e.start >= last, (what, e, last)
+    if len(runner.local_stages) > 1:
+        assert min(e.start for e in reduced) < max(t.end for t in tl.tasks), (what, reduced)
 
 
 # (schedule, stages on the 2 pipeline ranks, microbatches per replica):

@@ -4,7 +4,16 @@
 last backward)."""
 
 from .fsdp import Shard
-from .protocol import Placement, StageParallelism, names, register, wrap
+from .protocol import Placement, StageParallelism, collectives, names, register, wrap
 from .replicate import Replicate
 
-__all__ = ["Placement", "Replicate", "Shard", "StageParallelism", "names", "register", "wrap"]
+__all__ = [
+    "Placement",
+    "Replicate",
+    "Shard",
+    "StageParallelism",
+    "collectives",
+    "names",
+    "register",
+    "wrap",
+]

@@ -1,13 +1,17 @@
 """Data parallelism by sharding: each local stage is an FSDP2 module
 (`fully_shard` over the mesh's "dp" dimension).
 
-Between steps a stage's parameters are DTensor shards. At the step's start
-every local stage is gathered (`unshard`) with gradient sync off, so the
-microbatches' gradients accumulate unsharded, in autograd (B) or in the
-split stages' W graphs alike. Right after the task that finishes the stage's
-weight gradients (the executor's `stage_done`), the stage's gradients are
-reduce-scattered and its parameters resharded, while the rank runs the rest
-of the schedule; torch.distributed.pipelining drives FSDP2 the same way.
+Between steps a stage's parameters are DTensor shards. Each local stage is
+gathered (`unshard`) with gradient sync off at the program's `UNSHARD(s)`,
+before the stage's first task of the step, so the microbatches' gradients
+accumulate unsharded, in autograd (B) or in the split stages' W graphs alike.
+At `REDUCE_grads(s)`, right after the task that finishes the stage's weight
+gradients, the stage's gradients are reduce-scattered and its parameters
+resharded, while the rank runs the rest of the schedule.
+torch.distributed.pipelining drives FSDP2 the same way (its UNSHARD,
+RESHARD and REDUCE_GRAD actions); here the lowering places them in the
+program, so the simulator charges them too (`Costs.unshard`,
+`Costs.reduce_grads`, `Costs.unsharded_bytes`).
 
 Tied parameters are left out of the sharding (`ignored_params`): the
 pipeline sums their copies across stages, and they are averaged over dp
@@ -29,6 +33,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from ..schedule.program import StageCollectives
 from .replicate import Replicate
 
 __all__ = ["Shard"]
@@ -42,6 +47,7 @@ class Shard:
     # Each compiled pipe would need sharded modules of its own.
     name = "fsdp"
     allows_new_shapes = False
+    collectives = StageCollectives(unshard=True, reduce_grads=True)
 
     def __init__(
         self,
@@ -87,8 +93,8 @@ class Shard:
         self._tied = Replicate(dp_mesh.get_group(), {}, tied, bucket_bytes)
 
     def start_step(self) -> None:
-        """Gathers every local stage; gradients accumulate unsharded until
-        the stage's last backward of the step."""
+        """Gradients accumulate unsharded until the stage's last backward of
+        the step (its gather is the program's UNSHARD)."""
         for module in self._stages.values():
             # FSDP initialises itself at its root's first forward; split
             # stages never call the module, so do it here (idempotent).
@@ -96,10 +102,15 @@ class Shard:
             module.set_is_last_backward(False)
             module.set_reshard_after_backward(False)
             module.set_requires_gradient_sync(False)
-            module.unshard()
         self._tied.start_step()
 
-    def stage_done(self, stage: int) -> None:
+    def unshard(self, stage: int) -> None:
+        """Gathers `stage`'s parameters (a no-op when they are gathered)."""
+        module = self._stages.get(stage)
+        if module is not None:
+            module.unshard()
+
+    def reduce_grads(self, stage: int) -> None:
         """Reduce-scatters `stage`'s gradients and reshards its parameters."""
         module = self._stages.get(stage)
         if module is None:

@@ -13,14 +13,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..schedule.program import StageCollectives
 from .fsdp import Parallelize, Shard
 from .replicate import Replicate
 
-__all__ = ["Placement", "StageParallelism", "names", "register", "wrap"]
+__all__ = ["Placement", "StageParallelism", "collectives", "names", "register", "wrap"]
 
 
 class StageParallelism(Protocol):
-    """Called by the runner, in this order, around each step."""
+    """Called by the runner, in this order, around each step. `unshard` and
+    `reduce_grads` run inside the schedule, where the program has them (its
+    `collectives`), so the simulator sees them too."""
 
     # The `data_parallel` option that asks for it ("replicate", "fsdp").
     name: str
@@ -28,11 +31,16 @@ class StageParallelism(Protocol):
     allows_new_shapes: bool
 
     def start_step(self) -> None:
-        """Before the schedule (and before split stages are first traced)."""
+        """Before the schedule."""
 
-    def stage_done(self, stage: int) -> None:
+    def unshard(self, stage: int) -> None:
+        """Before `stage`'s first task of the step (with `collectives.unshard`),
+        and before split stages are first traced; gathering twice is a no-op."""
+
+    def reduce_grads(self, stage: int) -> None:
         """Right after the task that finishes `stage`'s weight gradients for
-        the step (its last B or W), while the rank runs the rest."""
+        the step (its last B or W), while the rank runs the rest (with
+        `collectives.reduce_grads`)."""
 
     def finish(self) -> None:
         """After the schedule: every gradient is final when it returns."""
@@ -57,14 +65,16 @@ class Placement:
 
 Factory = Callable[[Placement], StageParallelism]
 
-# The `data_parallel` options, each with what makes it.
-_KINDS: dict[str, Factory] = {}
+# The `data_parallel` options, each with what makes it and the collectives
+# its stages get in the program.
+_KINDS: dict[str, tuple[Factory, StageCollectives]] = {}
 
 
-def register(name: str, factory: Factory) -> None:
+def register(name: str, factory: Factory, stage_collectives: StageCollectives) -> None:
     """Makes `RunnerOptions(data_parallel=name)` wrap the stages with
-    `factory(placement)`."""
-    _KINDS[name] = factory
+    `factory(placement)`, and put `stage_collectives` (which the
+    parallelism's `unshard` / `reduce_grads` run) in every stage's program."""
+    _KINDS[name] = (factory, stage_collectives)
 
 
 def names() -> list[str]:
@@ -72,13 +82,23 @@ def names() -> list[str]:
     return list(_KINDS)
 
 
+def collectives(mode: str) -> StageCollectives:
+    """What the data parallelism `mode` puts in its stages' programs."""
+    return _KINDS[mode][1]
+
+
 register(
     "replicate",
     lambda p: Replicate(
         p.dp_group, {s: m.parameters() for s, m in p.stages.items()}, p.tied, p.bucket_bytes
     ),
+    Replicate.collectives,
 )
-register("fsdp", lambda p: Shard(p.mesh["dp"], p.stages, p.tied, p.parallelize, p.bucket_bytes))
+register(
+    "fsdp",
+    lambda p: Shard(p.mesh["dp"], p.stages, p.tied, p.parallelize, p.bucket_bytes),
+    Shard.collectives,
+)
 
 
 def wrap(
@@ -95,4 +115,4 @@ def wrap(
     if mode is None or mesh is None or dp_group is None:
         return None
     placement = Placement(mesh, dp_group, stages, list(tied), parallelize, bucket_bytes)
-    return _KINDS[mode](placement)
+    return _KINDS[mode][0](placement)

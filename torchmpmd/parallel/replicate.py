@@ -31,6 +31,8 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from ..schedule.program import StageCollectives
+
 __all__ = ["Replicate"]
 
 _P = TypeVar("_P", bound=torch.Tensor)
@@ -48,6 +50,8 @@ class Replicate:
 
     name = "replicate"
     allows_new_shapes = True
+    # Whole stages on every replica: nothing to gather, gradients to average.
+    collectives = StageCollectives(unshard=False, reduce_grads=True)
 
     def __init__(
         self,
@@ -78,7 +82,10 @@ class Replicate:
     def after_eval(self) -> None:
         """Nothing: the replicas hold whole stages."""
 
-    def stage_done(self, stage: int) -> None:
+    def unshard(self, stage: int) -> None:
+        """Nothing: the replicas hold whole stages."""
+
+    def reduce_grads(self, stage: int) -> None:
         """Starts averaging `stage`'s gradients (all of this step's are final)."""
         self._launch(self._stage_params.get(stage, []))
 

@@ -24,7 +24,7 @@ import torch
 from .. import _C
 from ..graph.pipe import Pipe, TensorSpec
 from ..schedule.kinds import recomputes, splits_backward
-from ..schedule.program import Program, compile_schedule
+from ..schedule.program import Program, StageCollectives, compile_schedule
 from ..schedule.task import Schedule
 from .microbatch import Microbatcher
 from .options import StageWrapper
@@ -68,6 +68,8 @@ class Options:
     selective_recompute: frozenset[int] = frozenset()
     measure_memory: bool = False
     wrap_stage: StageWrapper | None = None  # RunnerOptions.wrap_stage
+    # The data parallelism's collectives in every stage's training program.
+    collectives: StageCollectives | None = None
 
 
 class CompiledPipe:
@@ -78,7 +80,9 @@ class CompiledPipe:
         self._options = options
         transport = options.transport
         self.rank: int = transport.rank
-        self.program: Program = compile_schedule(options.schedule, pipe, transport.size)
+        self.program: Program = compile_schedule(
+            options.schedule, pipe, transport.size, collectives=options.collectives
+        )
         placement = self.program.placement
         self.local_stages = [s for s in range(pipe.num_stages) if placement[s] == self.rank]
         self.loss_rank = placement[pipe.num_stages - 1]

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..graph.pipe import Pipe
-from ..parallel import wrap
+from ..parallel import collectives, wrap
 from ..schedule.program import Program
 from ..schedule.task import Schedule
 from ..schedule.timeline import Timeline, from_records
@@ -117,6 +117,7 @@ class PipelineRunner:
             selective_recompute=selective,
             measure_memory=bool(opts.measure_memory),
             wrap_stage=opts.wrap_stage,
+            collectives=None if mode is None or dp_group is None else collectives(mode),
         )
         first = CompiledPipe(pipe, self._options, shared=None)
         self._first = first
@@ -173,9 +174,12 @@ class PipelineRunner:
         with self._collective.call("step", batch=batch.fingerprint):
             compiled, dp = batch.per_mb[0], self._dp
             step = Step(inputs=batch.inputs, targets=batch.targets)
+            firsts = list(batch.first_uses())
             if dp is not None:
-                dp.start_step()  # before split stages are traced: FSDP gathers here
-            for mb, c in batch.first_uses():
+                dp.start_step()
+                for s in self.local_stages if firsts else ():
+                    dp.unshard(s)  # split stages are traced on gathered parameters
+            for mb, c in firsts:
                 c.stages.prepare(step, mb)
             fns = Training([c.stages for c in batch.per_mb], step)
             with original_errors(step, GRADS_NOTE):
@@ -184,7 +188,8 @@ class PipelineRunner:
                     fns.input_grad,
                     fns.weight_grad,
                     shapes=batch.shapes,
-                    stage_done=None if dp is None else dp.stage_done,
+                    stage_done=None if dp is None else dp.reduce_grads,
+                    unshard=None if dp is None else dp.unshard,
                     # Ranks as threads replay a recompute's random numbers
                     # from their own CPU generator (rank_rng.py).
                     replay_rng=not (rank_rng.in_rank_thread() and self.device.type == "cpu"),

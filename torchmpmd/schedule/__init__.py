@@ -4,7 +4,7 @@ measured timelines, and plots."""
 
 from . import builtins
 from .costs import Costs
-from .program import Program, compile_schedule
+from .program import Program, StageCollectives, compile_schedule
 from .task import Schedule, Task
 from .timeline import Timeline, TimelineEvent
 
@@ -12,6 +12,7 @@ __all__ = [
     "Costs",
     "Program",
     "Schedule",
+    "StageCollectives",
     "Task",
     "Timeline",
     "TimelineEvent",

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _C
-from .timeline import Timeline, TimelineEvent
+from .timeline import COLLECTIVES, Timeline, TimelineEvent
 
 __all__ = ["Costs"]
 
@@ -33,6 +33,14 @@ class Costs:
     Unset backward pieces are derived: B = 2 F, I = W = B / 2 (so I + W = B).
     `bandwidth` is bytes per time unit (0: free); `latency` per message.
     Activation bytes default to an estimate from the pipe's traced graph.
+
+    Data parallelism, for programs compiled with `collectives`
+    (`StageCollectives`): `unshard` is the time a stage's gather blocks its
+    rank, `reduce_grads` the time its gradient reduction takes on the rank's
+    collective channel (beside the compute, one at a time; blocking without
+    `overlap_comm`), and `unsharded_bytes` what an unsharded stage holds from
+    its gather to its reduction (counted in the timeline's `peak_bytes`, not
+    in its activation peak). Unset: free.
     """
 
     forward: PerStage = 1.0
@@ -41,6 +49,9 @@ class Costs:
     weight_grad: PerStage | None = None
     activation_bytes: Sequence[int] | None = None
     weight_grad_bytes: Sequence[int] | None = None
+    unshard: PerStage | None = None
+    reduce_grads: PerStage | None = None
+    unsharded_bytes: int | Sequence[int] | None = None
     latency: float = 0.0
     bandwidth: float = 0.0
     unit: str = "units"
@@ -69,6 +80,10 @@ class Costs:
         c.forward, c.backward, c.input_grad, c.weight_grad = f, b, i, w or []
         c.activation_bytes = [int(a) for a in acts]
         c.weight_grad_bytes = [int(x) for x in wbytes]
+        c.unshard = _per_stage(self.unshard, n, "unshard") or []
+        c.reduce_grads = _per_stage(self.reduce_grads, n, "reduce_grads") or []
+        held = _per_stage(self.unsharded_bytes, n, "unsharded_bytes") or []
+        c.unsharded_bytes = [int(b) for b in held]
         c.latency = float(self.latency)
         c.bytes_per_unit = float(self.bandwidth)
         c.overlap_comm = self.overlap_comm
@@ -82,10 +97,15 @@ class Costs:
         I = W = B / 2); a stage with no measurement at all is an error.
         A timeline measured with `measure_memory=True` also gives the bytes a
         microbatch keeps per stage: what its forward held when its backward
-        (B or I) started, and what I left for W.
+        (B or I) started, and what I left for W. A data-parallel runner's
+        unshard and reduce_grads events give those costs (their time on the
+        rank: a reduction launched beside the compute counts its launch).
         """
         sums: dict[tuple[int, str], list[float]] = defaultdict(list)
         kept: dict[tuple[int, str], list[int]] = defaultdict(list)
+        for e in timeline.events:
+            if e.kind in COLLECTIVES:
+                sums[(e.stage, e.kind)].append(e.duration)
         for e in timeline.tasks:
             sums[(e.stage, e.kind)].append(e.duration)
             if e.kept_bytes >= 0 and e.kind in ("B", "I", "W"):
@@ -107,6 +127,9 @@ class Costs:
             b.append(bs)
             i.append(is_ if is_ is not None else bs - (ws or 0.0))
             w.append(ws if ws is not None else bs - (is_ or 0.0))
+        for kind in COLLECTIVES:
+            if kind not in link and any(k == kind for _, k in mean):
+                link[kind] = [mean.get((s, kind), 0.0) for s in range(num_stages)]
         return Costs(forward=f, backward=b, input_grad=i, weight_grad=w, unit=timeline.unit, **link)
 
 
@@ -137,8 +160,17 @@ def timeline_from_native(native: _C.schedule.Timeline, unit: str) -> Timeline:
             )
         elif e.kind == EK.transfer:
             events.append(TimelineEvent(e.rank, "transfer", -1, -1, e.start, e.end, e.label))
+        elif e.kind == EK.collective:
+            events.append(TimelineEvent(e.rank, e.label, e.task.stage, -1, e.start, e.end))
         else:
             events.append(
                 TimelineEvent(e.rank, "wait", e.task.stage, e.task.microbatch, e.start, e.end)
             )
-    return Timeline(native.num_ranks, events, "simulated", unit, list(native.peak_activation_bytes))
+    return Timeline(
+        native.num_ranks,
+        events,
+        "simulated",
+        unit,
+        list(native.peak_activation_bytes),
+        list(native.peak_bytes),
+    )

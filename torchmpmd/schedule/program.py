@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .. import _C
@@ -11,7 +12,50 @@ from .costs import Costs, timeline_from_native
 from .task import Schedule, Task, check_placement, require_schedule
 from .timeline import Timeline
 
-__all__ = ["Edge", "Lowering", "Prediction", "Program", "StageGraph", "compile_schedule"]
+__all__ = [
+    "Edge",
+    "Lowering",
+    "Prediction",
+    "Program",
+    "StageCollectives",
+    "StageGraph",
+    "compile_schedule",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class StageCollectives:
+    """What a stage's data parallelism does around its tasks of a training
+    step, as torch.distributed.pipelining's UNSHARD / RESHARD / REDUCE_GRAD
+    actions. The lowering places them in each rank's program (`UNSHARD(s)`
+    before the stage's first task, `REDUCE_grads(s)` right after the task
+    that finishes its weight gradients), the runner runs them there, and the
+    simulator charges them (`Costs.unshard`, `Costs.reduce_grads`,
+    `Costs.unsharded_bytes`). Forward-only programs have none."""
+
+    unshard: bool = False  # gather the parameters (FSDP), resharded at the reduction
+    reduce_grads: bool = False  # reduce the gradients beside the rest of the schedule
+
+    def native(self) -> _C.schedule.StageCollectives:
+        return _C.schedule.StageCollectives(self.unshard, self.reduce_grads)
+
+
+Collectives = StageCollectives | Sequence[StageCollectives] | None
+
+
+def _collectives(collectives: Collectives, num_stages: int) -> list[_C.schedule.StageCollectives]:
+    """One entry per stage (the same for all when one is given), or none."""
+    if collectives is None:
+        return []
+    if isinstance(collectives, StageCollectives):
+        return [collectives.native()] * num_stages
+    per_stage = list(collectives)
+    if len(per_stage) != num_stages or not all(isinstance(c, StageCollectives) for c in per_stage):
+        raise ValueError(
+            f"collectives must be one mpmd.StageCollectives, or one per stage ({num_stages}), "
+            f"got {collectives!r}"
+        )
+    return [c.native() for c in per_stage]
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +115,11 @@ class Prediction:
 
 
 def _spec(
-    schedule: Schedule, num_stages: int, num_ranks: int, forward_only: bool
+    schedule: Schedule,
+    num_stages: int,
+    num_ranks: int,
+    forward_only: bool,
+    collectives: Collectives = None,
 ) -> _C.schedule.ScheduleSpec:
     m = schedule.num_microbatches
     placement = check_placement(
@@ -95,7 +143,9 @@ def _spec(
                 continue
             row.append(t._native())
         native.append(row)
-    return _C.schedule.ScheduleSpec(num_ranks, m, placement, native, forward_only)
+    return _C.schedule.ScheduleSpec(
+        num_ranks, m, placement, native, forward_only, _collectives(collectives, num_stages)
+    )
 
 
 class Program:
@@ -133,7 +183,7 @@ class Program:
         ]
 
     def instructions(self, rank: int) -> list[str]:
-        """The whole program of `rank`, tasks and messages, as text."""
+        """The whole program of `rank`, tasks, messages and collectives, as text."""
         return [repr(i) for i in self._instructions(rank)]
 
     def simulate(self, costs: Costs | None = None) -> Timeline:
@@ -146,9 +196,10 @@ class Program:
         """`simulate`'s step time and peak activation bytes alone (no events
         built: cheap enough to call for thousands of candidate splits)."""
         native = self._simulated(costs if costs is not None else Costs())
-        compute = [e for e in native.events if e.kind == _C.schedule.EventKind.compute]
+        EK = _C.schedule.EventKind
+        spans = [e for e in native.events if e.kind in (EK.compute, EK.collective)]
         step, _ = _C.schedule.timeline_stats(
-            [e.rank for e in compute], [e.start for e in compute], [e.end for e in compute]
+            [e.rank for e in spans], [e.start for e in spans], [e.end for e in spans]
         )
         return Prediction(step, tuple(native.peak_activation_bytes))
 
@@ -175,7 +226,13 @@ class Lowering:
     model keeps one and compiles each split's `StageGraph`."""
 
     def __init__(
-        self, schedule: Schedule, num_stages: int, num_ranks: int, *, forward_only: bool = False
+        self,
+        schedule: Schedule,
+        num_stages: int,
+        num_ranks: int,
+        *,
+        forward_only: bool = False,
+        collectives: Collectives = None,
     ) -> None:
         require_schedule(schedule, "compile_schedule")
         if not isinstance(num_ranks, int) or num_ranks < 1:
@@ -183,7 +240,7 @@ class Lowering:
         self.schedule = schedule
         self.num_stages = num_stages
         self.num_ranks = num_ranks
-        self._spec = _spec(schedule, num_stages, num_ranks, forward_only)
+        self._spec = _spec(schedule, num_stages, num_ranks, forward_only, collectives)
 
     def compile(self, graph: Pipe | int | StageGraph, costs: Costs | None = None) -> Program:
         """Lowers and validates the programs for `graph` (see `compile_schedule`)."""
@@ -209,6 +266,7 @@ def compile_schedule(
     *,
     forward_only: bool = False,
     costs: Costs | None = None,
+    collectives: Collectives = None,
 ) -> Program:
     """Lowers `schedule` for `pipe` (or a chain of that many stages, or a
     `StageGraph`) on `num_ranks` ranks.
@@ -216,11 +274,15 @@ def compile_schedule(
     Raises ValueError naming the offending tasks, with a per-rank grid, when
     the schedule is incomplete, misplaced, out of dependency order or would
     deadlock. `costs` (default: uniform) only decide the order in which the
-    lowering interleaves messages of different rank pairs.
+    lowering interleaves messages of different rank pairs. `collectives`
+    (one `StageCollectives` for every stage, or one per stage) puts the
+    stages' data-parallel unshard and gradient reduction in the program.
     """
     require_schedule(schedule, "compile_schedule")
     if not isinstance(num_ranks, int) or num_ranks < 1:
         raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
     graph = _graph_of(pipe)
-    lowering = Lowering(schedule, graph.num_stages, num_ranks, forward_only=forward_only)
+    lowering = Lowering(
+        schedule, graph.num_stages, num_ranks, forward_only=forward_only, collectives=collectives
+    )
     return lowering._lower(graph, costs, pipe if isinstance(pipe, Pipe) else None)

@@ -11,18 +11,22 @@ from typing import Any
 
 from .. import _C
 
-__all__ = ["Timeline", "TimelineEvent"]
+__all__ = ["COLLECTIVES", "Timeline", "TimelineEvent"]
 
 # An event is a task (its kind's letter in the native task-kind table) or one
-# of the others.
+# of the others: a data-parallel collective of a stage (StageCollectives),
+# a message in flight, a rank waiting for one.
 _TASK_KINDS = tuple(_C.schedule.TaskKind.__members__)
-_OTHER_KINDS = ("transfer", "wait")
+COLLECTIVES = ("unshard", "reduce_grads")
+_OTHER_KINDS = ("transfer", "wait", *COLLECTIVES)
 
 
 @dataclass(frozen=True, slots=True)
 class TimelineEvent:
     rank: int
-    kind: str  # a task kind's letter ("F", "B", ...); "transfer" or "wait" otherwise
+    # A task kind's letter ("F", "B", ...); "unshard", "reduce_grads",
+    # "transfer" or "wait" otherwise.
+    kind: str
     stage: int
     microbatch: int
     start: float  # seconds (measured) or cost units (simulated)
@@ -66,6 +70,10 @@ class TimelineEvent:
         return self.kind not in _OTHER_KINDS
 
 
+# Chrome-trace rows per rank: tasks 0, transfers 1, waits 2, collectives 3.
+_TRACK = {"transfer": 1, "wait": 2, **dict.fromkeys(COLLECTIVES, 3)}
+
+
 @dataclass(slots=True)
 class Timeline:
     """Task intervals per rank. The simulator and the runtime produce the same type."""
@@ -77,6 +85,9 @@ class Timeline:
     # Per rank, the most bytes held for backward at once (simulated, or
     # measured with PipelineRunner(measure_memory=True); -1: not measured).
     peak_activation_bytes: list[int] = field(default_factory=list)
+    # Per rank, activations plus unsharded parameters (simulated with
+    # Costs.unsharded_bytes; empty: not known).
+    peak_bytes: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.num_ranks, bool) or not isinstance(self.num_ranks, int):
@@ -116,16 +127,21 @@ class Timeline:
         return [e for e in self.events if e.is_task]
 
     def _stats(self) -> tuple[float, float]:
-        # The native core's one definition, shared with its simulator:
-        # first task start to last task end; idle share of the ranks with tasks.
-        tasks = self.tasks
+        # The native core's one definition, shared with its simulator: first
+        # task (or collective) start to last end; idle share of the ranks
+        # with tasks, counting tasks only.
+        spans = [e for e in self.events if e.is_task or e.kind in COLLECTIVES]
         return _C.schedule.timeline_stats(
-            [e.rank for e in tasks], [e.start for e in tasks], [e.end for e in tasks]
+            [e.rank for e in spans],
+            [e.start for e in spans],
+            [e.end for e in spans],
+            [e.is_task for e in spans],
         )
 
     @property
     def step_time(self) -> float:
-        """From the first task's start to the last task's end (transfers not counted)."""
+        """From the first task's start to the last task's end, data-parallel
+        collectives included (transfers and waits not counted)."""
         return self._stats()[0]
 
     @property
@@ -151,15 +167,19 @@ class Timeline:
         events = [e for t in parts for e in t.events]
         num_ranks = max((t.num_ranks for t in parts), default=0)
         peaks = [-1] * num_ranks
+        totals = [-1] * num_ranks
         for t in parts:
             for r, b in enumerate(t.peak_activation_bytes):
                 peaks[r] = max(peaks[r], b)
+            for r, b in enumerate(t.peak_bytes):
+                totals[r] = max(totals[r], b)
         return Timeline(
             num_ranks,
             events,
             parts[0].source if parts else "measured",
             parts[0].unit if parts else "s",
             peaks,
+            totals if any(t.peak_bytes for t in parts) else [],
         )
 
     def to_chrome_trace(self) -> dict[str, Any]:
@@ -171,14 +191,18 @@ class Timeline:
                 {"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}}
             )
         for e in self.events:
-            name = f"{e.stage}{e.kind}{e.microbatch}" if e.is_task else (e.label or e.kind)
+            name = (
+                f"{e.stage}{e.kind}{e.microbatch}"
+                if e.is_task
+                else e.label or (f"{e.kind} stage {e.stage}" if e.kind in COLLECTIVES else e.kind)
+            )
             trace.append(
                 {
                     "name": name,
                     "cat": e.kind,
                     "ph": "X",
                     "pid": e.rank,
-                    "tid": 0 if e.is_task else (1 if e.kind == "transfer" else 2),
+                    "tid": 0 if e.is_task else _TRACK.get(e.kind, 2),
                     "ts": e.start * scale,
                     "dur": max(e.duration * scale, 0.0),
                     "args": {"stage": e.stage, "microbatch": e.microbatch, "source": self.source},

@@ -6,12 +6,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .timeline import Timeline
+from .timeline import COLLECTIVES, Timeline
 
 __all__ = ["plot"]
 
 _COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#C44E52"}
 _OTHER = "#8172B3"  # any other task kind
+# Data-parallel collectives: a thin bar under the rank's tasks.
+_COLLECTIVE_COLORS = {"unshard": "#937860", "reduce_grads": "#8C8C8C"}
 
 
 def plot(
@@ -22,8 +24,9 @@ def plot(
     labels: bool = True,
 ) -> Any:
     """Draws one Gantt chart per timeline (rows: ranks; boxes: tasks colored by
-    kind and named '{stage}{kind}{microbatch}'), stacked so that a predicted
-    and a measured run of the same schedule can be compared. Saves a PNG to
+    kind and named '{stage}{kind}{microbatch}'; a stage's data-parallel unshard
+    and gradient reduction as thin bars under them), stacked so that a
+    predicted and a measured run of the same schedule can be compared. Saves a PNG to
     `path` if given; returns the matplotlib Figure.
     """
     import matplotlib
@@ -64,9 +67,18 @@ def plot(
     )
     for k, (tl, ax) in enumerate(zip(timelines, axes[:, 0], strict=True)):
         tasks = tl.tasks
-        start = min((e.start for e in tasks), default=0.0)
+        collectives = [e for e in tl.events if e.kind in COLLECTIVES]
+        start = min((e.start for e in tasks + collectives), default=0.0)
         scale, unit = (1e3, "ms") if tl.unit == "s" else (1.0, tl.unit)
-        span = max((e.end - start for e in tasks), default=1.0) * scale or 1.0
+        span = max((e.end - start for e in tasks + collectives), default=1.0) * scale or 1.0
+        for e in collectives:
+            ax.barh(
+                e.rank + 0.47,
+                max(e.duration * scale, span / 400),
+                left=(e.start - start) * scale,
+                height=0.14,
+                color=_COLLECTIVE_COLORS[e.kind],
+            )
         for e in tasks:
             x0 = (e.start - start) * scale
             width = e.duration * scale
@@ -101,12 +113,10 @@ def plot(
         {e.kind for t in timelines for e in t.tasks},
         key=lambda k: (order.index(k) if k in order else len(order), k),
     )
-    fig.legend(
-        handles=[Patch(color=_COLORS.get(k, _OTHER), label=k) for k in kinds],
-        loc="upper right",
-        ncol=len(kinds),
-        fontsize=8,
-    )
+    shown = sorted({e.kind for t in timelines for e in t.events if e.kind in COLLECTIVES})
+    handles = [Patch(color=_COLORS.get(k, _OTHER), label=k) for k in kinds]
+    handles += [Patch(color=_COLLECTIVE_COLORS[k], label=k) for k in shown]
+    fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=8)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     if path is not None:
         fig.savefig(path, dpi=120)
