@@ -114,6 +114,8 @@ class schedule:
         emits_input_grads: bool
         finishes_weight_grads: bool
         recomputes: bool
+        charged_as: str
+        default_cost: list[tuple[str, float]]
         after_own: str
 
     @staticmethod
@@ -184,10 +186,7 @@ class schedule:
         ) -> None: ...
 
     class Costs:
-        forward: list[float]
-        backward: list[float]
-        input_grad: list[float]
-        weight_grad: list[float]
+        time: list[list[float]]
         activation_bytes: list[int]
         weight_grad_bytes: list[int]
         unshard: list[float]

@@ -31,6 +31,20 @@ void bind_schedule(py::module_ m) {
       .def_readonly("finishes_weight_grads",
                     &TaskKindInfo::finishes_weight_grads)
       .def_readonly("recomputes", &TaskKindInfo::recomputes)
+      .def_property_readonly("charged_as",
+                             [](const TaskKindInfo& k) {
+                               return std::string(1, kind_letter(k.charged_as));
+                             })
+      .def_property_readonly(
+          "default_cost",
+          [](const TaskKindInfo& k) {
+            // (letter, factor) terms of its default time.
+            std::vector<std::pair<std::string, double>> out;
+            for (const auto& [kind, factor] : k.default_cost) {
+              out.emplace_back(std::string(1, kind_letter(kind)), factor);
+            }
+            return out;
+          })
       .def_property_readonly("after_own", [](const TaskKindInfo& k) {
         // Letters of the kinds of its own (stage, microbatch) it waits for
         // (those only the schedule may have included).
@@ -131,10 +145,8 @@ void bind_schedule(py::module_ m) {
       .def_static("uniform", &Costs::uniform, py::arg("num_stages"),
                   py::arg("forward") = 1.0, py::arg("backward") = 2.0,
                   py::arg("input_grad") = 1.0, py::arg("weight_grad") = 1.0)
-      .def_readwrite("forward", &Costs::forward)
-      .def_readwrite("backward", &Costs::backward)
-      .def_readwrite("input_grad", &Costs::input_grad)
-      .def_readwrite("weight_grad", &Costs::weight_grad)
+      .def_readwrite("time", &Costs::time,
+                     "Per task kind (enum order), per stage: a task's time.")
       .def_readwrite("activation_bytes", &Costs::activation_bytes)
       .def_readwrite("weight_grad_bytes", &Costs::weight_grad_bytes)
       .def_readwrite("unshard", &Costs::unshard)

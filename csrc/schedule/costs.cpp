@@ -8,10 +8,29 @@ namespace torchmpmd::schedule {
 Costs Costs::uniform(int32_t num_stages, double forward, double backward,
                      double input_grad, double weight_grad) {
   Costs c;
-  c.forward.assign(num_stages, forward);
-  c.backward.assign(num_stages, backward);
-  c.input_grad.assign(num_stages, input_grad);
-  c.weight_grad.assign(num_stages, weight_grad);
+  const auto& kinds = task_kinds();
+  c.time.resize(kinds.size());
+  const std::pair<TaskKind, double> given[] = {
+      {TaskKind::kForward, forward},
+      {TaskKind::kBackward, backward},
+      {TaskKind::kInputGrad, input_grad},
+      {TaskKind::kWeightGrad, weight_grad}};
+  for (const auto& [kind, value] : given) {
+    c.time[static_cast<size_t>(kind)].assign(num_stages, value);
+  }
+  // Other kinds of their own: their defaults, in table order (a default
+  // reads kinds listed before it).
+  for (const TaskKindInfo& k : kinds) {
+    auto& row = c.time[static_cast<size_t>(k.kind)];
+    if (!row.empty() || k.charged_as != k.kind) continue;
+    for (int32_t s = 0; s < num_stages; ++s) {
+      double t = 0;
+      for (const auto& [term, factor] : k.default_cost) {
+        t += factor * c.time[static_cast<size_t>(term)].at(s);
+      }
+      row.push_back(t);
+    }
+  }
   c.activation_bytes.assign(num_stages, 1);
   c.weight_grad_bytes.assign(num_stages, 0);
   return c;
@@ -21,17 +40,24 @@ void Costs::check(int32_t num_stages) const {
   const auto ok = [&](size_t n) {
     return static_cast<int32_t>(n) == num_stages;
   };
-  MPMD_CHECK(ok(forward.size()) && ok(backward.size()) &&
-                 ok(input_grad.size()) && ok(weight_grad.size()) &&
-                 ok(activation_bytes.size()) && ok(weight_grad_bytes.size()),
-             "schedule: costs must give one value per stage (", num_stages,
-             " stages) for forward, backward, input_grad, weight_grad, "
-             "activation_bytes and weight_grad_bytes");
-  for (int32_t s = 0; s < num_stages; ++s) {
-    MPMD_CHECK(forward[s] >= 0 && backward[s] >= 0 && input_grad[s] >= 0 &&
-                   weight_grad[s] >= 0,
-               "schedule: costs of stage ", s, " must not be negative");
+  const auto& kinds = task_kinds();
+  MPMD_CHECK(time.size() == kinds.size(),
+             "schedule: costs must give a time "
+             "row per task kind (",
+             kind_list(), "), got ", time.size());
+  for (const TaskKindInfo& k : kinds) {
+    if (k.charged_as != k.kind) continue;
+    const auto& row = time[static_cast<size_t>(k.kind)];
+    MPMD_CHECK(ok(row.size()), "schedule: costs must give one ", k.name,
+               " time per stage (", num_stages, " stages), got ", row.size());
+    for (int32_t s = 0; s < num_stages; ++s) {
+      MPMD_CHECK(row[s] >= 0, "schedule: costs of stage ", s,
+                 " must not be negative (", k.name, ": ", row[s], ")");
+    }
   }
+  MPMD_CHECK(ok(activation_bytes.size()) && ok(weight_grad_bytes.size()),
+             "schedule: costs must give one value per stage (", num_stages,
+             " stages) for activation_bytes and weight_grad_bytes");
   const auto per_stage_or_none = [&](size_t n, const char* name) {
     MPMD_CHECK(n == 0 || ok(n), "schedule: costs.", name,
                " must give one value per stage (", num_stages,
@@ -57,7 +83,8 @@ void Costs::check(int32_t num_stages) const {
 }
 
 double Costs::of(const Task& task) const {
-  return (this->*info(task.kind).cost).at(task.stage);
+  const TaskKind charged = info(task.kind).charged_as;
+  return time.at(static_cast<size_t>(charged)).at(task.stage);
 }
 
 double Costs::unshard_time(int32_t stage) const {

@@ -12,10 +12,10 @@ struct Task;
 // Any unit works as long as it is the same for all fields (microseconds is
 // typical).
 struct Costs {
-  std::vector<double> forward;      // per stage
-  std::vector<double> backward;     // B
-  std::vector<double> input_grad;   // I
-  std::vector<double> weight_grad;  // W
+  // A task's time, per task kind (in the enum order of task_kinds.h) and
+  // stage: time[kind][stage]. A kind the table charges as another (R as F)
+  // takes that kind's row; its own may stay empty.
+  std::vector<std::vector<double>> time;
   // Bytes of activations one microbatch keeps alive on a stage from F until
   // its backward; W-only bytes are what stays after I, until W.
   std::vector<int64_t> activation_bytes;
@@ -31,11 +31,13 @@ struct Costs {
   double bytes_per_unit = 0;  // link bandwidth; 0 = infinitely fast
   bool overlap_comm = true;   // sends run in the background
 
-  // F = 1, B = 2, I = W = 1 per stage, free communication.
+  // F = 1, B = 2, I = W = 1 per stage, free communication; any other kind
+  // its default in the task-kind table.
   static Costs uniform(int32_t num_stages, double forward = 1,
                        double backward = 2, double input_grad = 1,
                        double weight_grad = 1);
-  // The cost of a task: the field its kind names in the task-kind table.
+  // The cost of a task: its stage's time for the kind the task-kind table
+  // charges it as.
   double of(const Task& task) const;
   // Time the link is busy with one message (the machine model adds latency
   // and contention).

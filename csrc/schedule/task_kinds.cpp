@@ -11,6 +11,7 @@ TaskKindInfo row(TaskKind kind, char letter, const char* name) {
   k.kind = kind;
   k.letter = letter;
   k.name = name;
+  k.charged_as = kind;
   return k;
 }
 
@@ -18,7 +19,6 @@ std::vector<TaskKindInfo> make_table() {
   std::vector<TaskKindInfo> table;
 
   TaskKindInfo f = row(TaskKind::kForward, 'F', "forward");
-  f.cost = &Costs::forward;
   f.needs = {{Need::kProducerForwards, TaskKind::kForward}};
   f.required = true;
   f.in_forward_only = true;
@@ -30,7 +30,7 @@ std::vector<TaskKindInfo> make_table() {
   table.push_back(f);
 
   TaskKindInfo b = row(TaskKind::kBackward, 'B', "backward");
-  b.cost = &Costs::backward;
+  b.default_cost = {{TaskKind::kForward, 2.0}};
   b.needs = {{Need::kOwn, TaskKind::kForward},
              {Need::kOwnIfScheduled, TaskKind::kRecompute},
              {Need::kConsumerInputGrads, TaskKind::kBackward}};
@@ -43,7 +43,7 @@ std::vector<TaskKindInfo> make_table() {
   table.push_back(b);
 
   TaskKindInfo i = row(TaskKind::kInputGrad, 'I', "input grad");
-  i.cost = &Costs::input_grad;
+  i.default_cost = {{TaskKind::kBackward, 0.5}};
   i.needs = b.needs;
   i.backward = true;
   i.backward_parts = kInputGradPart;
@@ -53,7 +53,7 @@ std::vector<TaskKindInfo> make_table() {
   table.push_back(i);
 
   TaskKindInfo w = row(TaskKind::kWeightGrad, 'W', "weight grad");
-  w.cost = &Costs::weight_grad;
+  w.default_cost = {{TaskKind::kBackward, 0.5}};
   w.needs = {{Need::kOwn, TaskKind::kInputGrad}};
   w.backward = true;
   w.backward_parts = kWeightGradPart;
@@ -62,7 +62,7 @@ std::vector<TaskKindInfo> make_table() {
   table.push_back(w);
 
   TaskKindInfo r = row(TaskKind::kRecompute, 'R', "recompute");
-  r.cost = &Costs::forward;
+  r.charged_as = TaskKind::kForward;
   r.needs = {{Need::kOwn, TaskKind::kForward}};
   r.recomputes = true;
   r.memory = r.memory_if_recomputed = {+1, 0};
@@ -73,6 +73,10 @@ std::vector<TaskKindInfo> make_table() {
                          "task kinds must be listed in enum order");
     MPMD_INTERNAL_ASSERT(table[k].backward == (table[k].backward_parts != 0),
                          "a backward kind computes a part of the backward");
+    for (const auto& [term, factor] : table[k].default_cost) {
+      MPMD_INTERNAL_ASSERT(static_cast<size_t>(term) < k && factor >= 0,
+                           "a default cost reads kinds listed before it");
+    }
   }
   MPMD_INTERNAL_ASSERT(table.size() == kNumTaskKinds);
   return table;

@@ -7,9 +7,8 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
-
-#include "schedule/costs.h"
 
 namespace torchmpmd::schedule {
 
@@ -63,7 +62,13 @@ struct TaskKindInfo {
   TaskKind kind = TaskKind::kForward;
   char letter = '?';
   const char* name = "";
-  std::vector<double> Costs::*cost = nullptr;
+  // Whose time (Costs::time) a task of this kind takes: its own, or another
+  // kind's (R: F's).
+  TaskKind charged_as = TaskKind::kForward;
+  // Its time where a cost model gives none of its own: the sum of these
+  // kinds' times, each times its factor (B = 2 F, I = W = B / 2). Listed
+  // kinds come before it in the table.
+  std::vector<std::pair<TaskKind, double>> default_cost;
   std::vector<Dependency> needs;
   // A kind every (stage, microbatch) must have.
   bool required = false;

@@ -29,7 +29,9 @@ TEST(TaskKinds, RowsAreInEnumOrderWithDistinctLetters) {
     const TaskKindInfo& row = task_kinds()[k];
     EXPECT_EQ(static_cast<size_t>(row.kind), k);
     EXPECT_TRUE(letters.insert(row.letter).second) << row.letter;
-    EXPECT_NE(row.cost, nullptr) << row.letter;
+    // Charged as a kind of its own, or as one that is.
+    EXPECT_EQ(schedule::info(row.charged_as).charged_as, row.charged_as)
+        << row.letter;
     EXPECT_EQ(schedule::kind_from_letter(row.letter), row.kind);
     EXPECT_EQ(schedule::kind_letter(row.kind), row.letter);
   }
@@ -49,15 +51,34 @@ TEST(TaskKinds, EveryLetterRoundTripsThroughTheActionFormat) {
   }
 }
 
-TEST(TaskKinds, CostsComeFromTheFieldTheTableNames) {
+TEST(TaskKinds, CostsComeFromTheRowTheTableCharges) {
   Costs c = Costs::uniform(2, 1.0, 2.0, 3.0, 4.0);
-  c.forward[1] = 10;
+  c.time[static_cast<size_t>(TaskKind::kForward)][1] = 10;
   for (const TaskKindInfo& row : task_kinds()) {
     const Task t{row.kind, 1, 0};
-    EXPECT_EQ(c.of(t), (c.*row.cost)[1]) << row.letter;
+    EXPECT_EQ(c.of(t), c.time[static_cast<size_t>(row.charged_as)][1])
+        << row.letter;
   }
   EXPECT_EQ(c.of(F(1, 0)), 10);
+  EXPECT_EQ(c.of(R(1, 0)), 10);  // charged as its forward
   EXPECT_EQ(c.of(W(0, 0)), 4);
+  EXPECT_EQ(c.time[static_cast<size_t>(TaskKind::kRecompute)].size(), 0u);
+}
+
+TEST(TaskKinds, CostsNeedATimePerStageForEachKindOfItsOwn) {
+  Costs c = Costs::uniform(2);
+  c.check(2);
+  c.time[static_cast<size_t>(TaskKind::kInputGrad)].pop_back();
+  try {
+    c.check(2);
+    ADD_FAILURE() << "accepted a missing input grad time";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("one input grad time per stage (2 stages), "
+                                    "got 1"));
+  }
+  c = Costs::uniform(2);
+  c.time[static_cast<size_t>(TaskKind::kBackward)][0] = -1;
+  EXPECT_THROW(c.check(2), Error);
 }
 
 TEST(TaskKinds, ReadsFollowsTheTable) {

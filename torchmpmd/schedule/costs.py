@@ -1,18 +1,29 @@
-"""`Costs`: what the simulator charges for tasks and messages."""
+"""`Costs`: what the simulator charges for tasks and messages.
+
+Task times are kept per task kind, as the native task-kind table lists the
+kinds (csrc/schedule/task_kinds.cpp): a kind the table charges as another
+(R as F) takes that kind's time, and a time not given is derived as the
+table says, so a new kind needs nothing here."""
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .. import _C
+from .kinds import TABLE, WHOLE_BACKWARD
 from .timeline import COLLECTIVES, Timeline, TimelineEvent
 
 __all__ = ["Costs"]
 
 PerStage = float | Sequence[float]
+
+# The kinds with a time of their own, in the table's order; the named fields
+# of `Costs` and the kinds they give.
+_OWN = [letter for letter, k in TABLE.items() if k.charged_as == letter]
+_FIELDS = {"F": "forward", "B": "backward", "I": "input_grad", "W": "weight_grad"}
 
 
 def _per_stage(value: PerStage | None, n: int, name: str) -> list[float] | None:
@@ -26,11 +37,48 @@ def _per_stage(value: PerStage | None, n: int, name: str) -> list[float] | None:
     return values
 
 
+def _derive(given: Mapping[str, float | None], stage: int) -> dict[str, float]:
+    """One stage's time for each kind of its own: as given, else as the
+    table derives it. A kind computing the whole backward (B) is the sum of
+    given kinds that make it up (I + W); one computing a part is the whole
+    minus the given other part; otherwise the kind's table default (B = 2 F,
+    I = W = B / 2)."""
+    parts = {
+        TABLE[letter].backward_parts: letter
+        for letter in _OWN
+        if 0 < TABLE[letter].backward_parts < WHOLE_BACKWARD
+    }
+    whole = next((x for x in _OWN if TABLE[x].backward_parts == WHOLE_BACKWARD), None)
+    out: dict[str, float] = {}
+    for letter in _OWN:
+        kind = TABLE[letter]
+        value = given.get(letter)
+        pieces = [given.get(p) for p in parts.values()]
+        if value is None and letter == whole and parts and None not in pieces:
+            value = sum(p for p in pieces if p is not None)
+        other = parts.get(WHOLE_BACKWARD ^ kind.backward_parts)
+        other_time = given.get(other) if other is not None and letter != whole else None
+        if value is None and whole in out and other_time is not None:
+            value = out[whole] - other_time
+        if value is None:
+            if not kind.default_cost:
+                raise ValueError(
+                    f"Costs: no {kind.name} ({letter}) time for stage {stage}; give one"
+                )
+            value = sum(factor * out[term] for term, factor in kind.default_cost)
+        out[letter] = value
+    return out
+
+
 @dataclass(kw_only=True)
 class Costs:
     """Per-stage task times and a link model, in any one time unit.
 
-    Unset backward pieces are derived: B = 2 F, I = W = B / 2 (so I + W = B).
+    `forward`, `backward`, `input_grad` and `weight_grad` give the times of
+    F, B, I and W; `times` those of any task kind by its letter (a kind
+    added to the task-kind table: `times={"A": [...]}`). Unset times are
+    derived: B = 2 F (or I + W when both are given), I = W = B / 2 (or B
+    minus the other), a new kind as its table row says.
     `bandwidth` is bytes per time unit (0: free); `latency` per message.
     Activation bytes default to an estimate from the pipe's traced graph.
 
@@ -47,6 +95,7 @@ class Costs:
     backward: PerStage | None = None
     input_grad: PerStage | None = None
     weight_grad: PerStage | None = None
+    times: Mapping[str, PerStage] | None = None
     activation_bytes: Sequence[int] | None = None
     weight_grad_bytes: Sequence[int] | None = None
     unshard: PerStage | None = None
@@ -57,27 +106,46 @@ class Costs:
     unit: str = "units"
     overlap_comm: bool = True
 
+    def _given(self, n: int) -> dict[str, list[float] | None]:
+        """Per kind of its own, the per-stage times given (None: derive)."""
+        given: dict[str, list[float] | None] = {
+            letter: _per_stage(getattr(self, name), n, name) for letter, name in _FIELDS.items()
+        }
+        for letter, value in (self.times or {}).items():
+            if letter not in TABLE:
+                raise ValueError(
+                    f"Costs.times: {letter!r} is not a task kind; use one of {', '.join(TABLE)}"
+                )
+            if TABLE[letter].charged_as != letter:
+                raise ValueError(
+                    f"Costs.times: {TABLE[letter].name} ({letter}) takes the time of "
+                    f"{TABLE[letter].charged_as}; give that one"
+                )
+            if given.get(letter) is not None:
+                raise ValueError(
+                    f"Costs: the {TABLE[letter].name} time is given twice, as "
+                    f"{_FIELDS[letter]} and as times[{letter!r}]"
+                )
+            given[letter] = _per_stage(value, n, f"times[{letter!r}]")
+        return given
+
     def native(
         self, num_stages: int, activation_bytes: Sequence[int] | None = None
     ) -> _C.schedule.Costs:
         n = num_stages
-        f = _per_stage(self.forward, n, "forward") or []
-        b = _per_stage(self.backward, n, "backward") or [2 * x for x in f]
-        i = _per_stage(self.input_grad, n, "input_grad")
-        w = _per_stage(self.weight_grad, n, "weight_grad")
-        if i is None and w is None:
-            i = [x / 2 for x in b]
-            w = [x / 2 for x in b]
-        elif i is None:
-            i = [bb - ww for bb, ww in zip(b, w or [], strict=True)]
-        elif w is None:
-            w = [bb - ii for bb, ii in zip(b, i, strict=True)]
+        given = self._given(n)
+        per_stage = [
+            _derive({k: (v[s] if v is not None else None) for k, v in given.items()}, s)
+            for s in range(n)
+        ]
         acts = list(self.activation_bytes or activation_bytes or [1] * n)
         wbytes = list(self.weight_grad_bytes or [a // 2 for a in acts])
         if len(acts) != n or len(wbytes) != n:
             raise ValueError(f"Costs: activation byte counts must give one value per stage ({n})")
         c = _C.schedule.Costs()
-        c.forward, c.backward, c.input_grad, c.weight_grad = f, b, i, w or []
+        c.time = [
+            [stage[letter] for stage in per_stage] if letter in _OWN else [] for letter in TABLE
+        ]
         c.activation_bytes = [int(a) for a in acts]
         c.weight_grad_bytes = [int(x) for x in wbytes]
         c.unshard = _per_stage(self.unshard, n, "unshard") or []
@@ -108,29 +176,34 @@ class Costs:
                 sums[(e.stage, e.kind)].append(e.duration)
         for e in timeline.tasks:
             sums[(e.stage, e.kind)].append(e.duration)
-            if e.kept_bytes >= 0 and e.kind in ("B", "I", "W"):
-                kept[(e.stage, "W" if e.kind == "W" else "BI")].append(e.kept_bytes)
+            info = TABLE[e.kind]
+            if e.kept_bytes >= 0 and info.backward:
+                whole = info.backward_parts == WHOLE_BACKWARD
+                # B and I start from what the forward kept; W from what I left.
+                reads_forward = whole or info.emits_input_grads
+                kept[(e.stage, "BI" if reads_forward else "W")].append(e.kept_bytes)
         mean = {k: sum(v) / len(v) for k, v in sums.items()}
         memory = _kept_bytes(kept, num_stages)
         if memory is not None:
             link = {"activation_bytes": memory[0], "weight_grad_bytes": memory[1], **link}
-        f, b, i, w = [], [], [], []
+        rows: dict[str, list[float]] = {letter: [] for letter in _OWN}
         for s in range(num_stages):
             if (s, "F") not in mean:
                 raise ValueError(f"Costs.from_timeline: no forward of stage {s} was measured")
-            bs, is_, ws = mean.get((s, "B")), mean.get((s, "I")), mean.get((s, "W"))
-            if bs is None:
-                bs = (is_ or 0.0) + (ws or 0.0)
-            if is_ is None and ws is None:
-                is_ = ws = bs / 2
-            f.append(mean[(s, "F")])
-            b.append(bs)
-            i.append(is_ if is_ is not None else bs - (ws or 0.0))
-            w.append(ws if ws is not None else bs - (is_ or 0.0))
+            for letter, value in _derive({x: mean.get((s, x)) for x in _OWN}, s).items():
+                rows[letter].append(value)
         for kind in COLLECTIVES:
             if kind not in link and any(k == kind for _, k in mean):
                 link[kind] = [mean.get((s, kind), 0.0) for s in range(num_stages)]
-        return Costs(forward=f, backward=b, input_grad=i, weight_grad=w, unit=timeline.unit, **link)
+        return Costs(
+            forward=rows.pop("F"),
+            backward=rows.pop("B"),
+            input_grad=rows.pop("I"),
+            weight_grad=rows.pop("W"),
+            times=rows or None,
+            unit=timeline.unit,
+            **link,
+        )
 
 
 def _kept_bytes(

@@ -7,11 +7,18 @@ from __future__ import annotations
 
 from .. import _C
 
-__all__ = ["RECOMPUTE", "TABLE", "recomputes", "splits_backward", "waits_for_recompute"]
+__all__ = [
+    "RECOMPUTE",
+    "TABLE",
+    "WHOLE_BACKWARD",
+    "recomputes",
+    "splits_backward",
+    "waits_for_recompute",
+]
 
 # By letter, in the table's order.
 TABLE: dict[str, _C.schedule.TaskKindInfo] = {k.letter: k for k in _C.schedule.task_kind_table()}
-_WHOLE = 3  # BackwardPart::kWholeBackward: input and weight gradients
+WHOLE_BACKWARD = 3  # BackwardPart::kWholeBackward: input and weight gradients
 
 # The kind that runs a stage's forward again for its backward.
 RECOMPUTE: str = next(k.letter for k in TABLE.values() if k.recomputes)
@@ -25,7 +32,7 @@ def recomputes(kind: str) -> bool:
 def splits_backward(kind: str) -> bool:
     """Whether `kind` computes part of a backward only (I, W): its stage must
     be split into input- and weight-gradient graphs."""
-    return 0 < TABLE[kind].backward_parts < _WHOLE
+    return 0 < TABLE[kind].backward_parts < WHOLE_BACKWARD
 
 
 def waits_for_recompute(kind: str) -> bool:
