@@ -4,6 +4,7 @@ the check-in. Every check here is local, before any message."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +13,7 @@ from ..parallel.protocol import StageParallelism
 from .checks import check_dtypes
 from .compiled import CompiledPipe, Options, signature_of, traced_signature
 from .fingerprint import BatchPrint, batch_print
+from .stages import Step
 
 __all__ = ["Batch", "Batches"]
 
@@ -27,6 +29,18 @@ class Batch:
     # (value, microbatch) -> shape, where a microbatch's differ from the first's
     shapes: dict[tuple[int, int], list[int]]
     fingerprint: BatchPrint
+
+    def prepare(self, step: Step, dp: StageParallelism | None, local_stages: Sequence[int]) -> None:
+        """Starts the step's data parallelism and prepares each compiled pipe
+        the batch uses for the first time (traces its split stages, on
+        gathered parameters: the program's UNSHARD is a no-op then)."""
+        firsts = self.first_uses()
+        if dp is not None:
+            dp.start_step()
+            for s in local_stages if firsts else ():
+                dp.unshard(s)
+        for mb, c in firsts:
+            c.stages.prepare(step, mb)
 
     def first_uses(self) -> list[tuple[int, CompiledPipe]]:
         """Each distinct compiled pipe with the first microbatch it runs."""

@@ -174,13 +174,7 @@ class PipelineRunner:
         with self._collective.call("step", batch=batch.fingerprint):
             compiled, dp = batch.per_mb[0], self._dp
             step = Step(inputs=batch.inputs, targets=batch.targets)
-            firsts = list(batch.first_uses())
-            if dp is not None:
-                dp.start_step()
-                for s in self.local_stages if firsts else ():
-                    dp.unshard(s)  # split stages are traced on gathered parameters
-            for mb, c in firsts:
-                c.stages.prepare(step, mb)
+            batch.prepare(step, dp, self.local_stages)
             fns = Training([c.stages for c in batch.per_mb], step)
             with original_errors(step, GRADS_NOTE):
                 compiled.executor.run(
