@@ -28,6 +28,11 @@ class RankResult:
 
 def _entry(fn: Callable, rank: int, world: int, store: str, queue: Any, args: tuple) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import warnings
+
+    # As pytest.ini's filter does in the test process: a rank that builds a
+    # runner the deprecated way fails.
+    warnings.filterwarnings("error", r"PipelineRunner\(.*\) is deprecated", DeprecationWarning)
     import torch
     import torch.distributed as dist
 

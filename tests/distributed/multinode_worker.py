@@ -30,7 +30,11 @@ def main() -> None:
     (example,), _ = case.inputs(MICROBATCH)
     pipe = mpmd.trace(case.model(torch.float64), (example,), **SPLITS["gpt"](PP))
     runner = mpmd.PipelineRunner(
-        pipe, mpmd.schedules.OneFOneB(M), mesh=mesh, loss_fn=case.loss, timeout=60
+        pipe,
+        mpmd.schedules.OneFOneB(M),
+        mesh=mesh,
+        loss_fn=case.loss,
+        options=mpmd.RunnerOptions(timeout=60),
     )
     reference = case.model(torch.float64)
     opt = torch.optim.AdamW(runner.parameters(), lr=1e-2)

@@ -45,7 +45,10 @@ def pipeline_run(
     (example,), _ = CASE.inputs(MICROBATCH)
     pipe = mpmd.trace(CASE.model(torch.float64), (example,), **SPLITS["gpt"](num_stages))
     runner = mpmd.PipelineRunner(
-        pipe, getattr(mpmd.schedules, schedule)(M), loss_fn=CASE.loss, timeout=60
+        pipe,
+        getattr(mpmd.schedules, schedule)(M),
+        loss_fn=CASE.loss,
+        options=mpmd.RunnerOptions(timeout=60),
     )
     opt = _optimizer(runner.parameters())
     if load_from is not None:

@@ -34,10 +34,7 @@ def _trained(seed: int = 0) -> tuple[mpmd.PipelineRunner, torch.optim.Optimizer]
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
     pipe = mpmd.trace(model, (torch.randn(2, 4),), split_before=["2"])
     runner = mpmd.PipelineRunner(
-        pipe,
-        mpmd.schedules.GPipe(2),
-        loss_fn=square_loss,
-        timeout=30,
+        pipe, mpmd.schedules.GPipe(2), loss_fn=square_loss, options=mpmd.RunnerOptions(timeout=30)
     )
     opt = torch.optim.AdamW(runner.parameters(), lr=1e-2)
     torch.manual_seed(1)
@@ -190,10 +187,7 @@ def saves_twice_with_an_empty_rank(rank: int, world: int, tmp: str) -> list[str]
     model = nn.Sequential(nn.Linear(4, 2), nn.Tanh())
     pipe = mpmd.trace(model, (torch.randn(2, 4),), split_before=["1"])
     runner = mpmd.PipelineRunner(
-        pipe,
-        mpmd.schedules.GPipe(2),
-        loss_fn=square_loss,
-        timeout=30,
+        pipe, mpmd.schedules.GPipe(2), loss_fn=square_loss, options=mpmd.RunnerOptions(timeout=30)
     )
     path = Path(tmp) / "latest"
     # No extra: DCP would give its entry to rank 1 (the smaller plan takes what is shared).

@@ -60,11 +60,13 @@ def train_on_mesh(rank: int, world: int, combos: list[tuple[str, int, str, int]]
             _pipe(num_stages),
             getattr(mpmd.schedules, schedule_name)(m),
             mesh=mesh,
-            data_parallel="fsdp" if mode == "fsdp+parallelize" else mode,
-            parallelize=_own_sharding if mode == "fsdp+parallelize" else None,
             loss_fn=case.loss,
-            timeout=60,
-            bucket_bytes=4096,  # several buckets per stage
+            options=mpmd.RunnerOptions(
+                data_parallel="fsdp" if mode == "fsdp+parallelize" else mode,
+                parallelize=_own_sharding if mode == "fsdp+parallelize" else None,
+                timeout=60,
+                bucket_bytes=4096,  # several buckets per stage
+            ),
         )
         opt = torch.optim.AdamW(runner.parameters(), lr=1e-2, weight_decay=0.01)
         local = dict(runner.named_parameters())
@@ -182,9 +184,8 @@ def refuse_sharded_tied_weights(rank: int, world: int) -> str:
             _pipe(2),
             mpmd.schedules.OneFOneB(M),
             mesh=mesh,
-            data_parallel="fsdp",
-            parallelize=_shard_everything,
             loss_fn=CASES["gpt"].loss,
+            options=mpmd.RunnerOptions(data_parallel="fsdp", parallelize=_shard_everything),
         )
     except ValueError as err:
         return str(err)

@@ -26,12 +26,16 @@ import torchmpmd as mpmd
 TIMEOUT = 4.0
 
 
-def _runner(**kwargs) -> mpmd.PipelineRunner:
+def _runner(timeout: float = TIMEOUT) -> mpmd.PipelineRunner:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
     pipe = mpmd.trace(model, (torch.randn(2, 4),), split_before=["2", "4"])
-    kwargs.setdefault("timeout", TIMEOUT)
-    return mpmd.PipelineRunner(pipe, mpmd.schedules.OneFOneB(4), loss_fn=square_loss, **kwargs)
+    return mpmd.PipelineRunner(
+        pipe,
+        mpmd.schedules.OneFOneB(4),
+        loss_fn=square_loss,
+        options=mpmd.RunnerOptions(timeout=timeout),
+    )
 
 
 def _outcome(fn) -> dict:
@@ -158,9 +162,8 @@ def one_replica_clips(rank: int, world: int, mode: str) -> dict:
         pipe,
         mpmd.schedules.OneFOneB(2),
         loss_fn=square_loss,
-        timeout=TIMEOUT,
         mesh=mesh,
-        data_parallel=mode,
+        options=mpmd.RunnerOptions(timeout=TIMEOUT, data_parallel=mode),
     )
     x = torch.randn(4, 4)
     runner.step(x, target=x)

@@ -108,9 +108,8 @@ def replicas_start_equal(rank: int, world: int, modes: list[str]) -> list[str]:
             pipe,
             mpmd.schedules.OneFOneB(M),
             mesh=mesh,
-            data_parallel=mode,
             loss_fn=case.loss,
-            timeout=60,
+            options=mpmd.RunnerOptions(data_parallel=mode, timeout=60),
         )
         everyone = _everyone(_weights(runner))
         _check_replicas(everyone, pp, f"{mode}: real model after construction")
@@ -135,9 +134,8 @@ def replicas_start_equal(rank: int, world: int, modes: list[str]) -> list[str]:
             pipe,
             mpmd.schedules.OneFOneB(M),
             mesh=mesh,
-            data_parallel=mode,
             loss_fn=case.loss,
-            timeout=60,
+            options=mpmd.RunnerOptions(data_parallel=mode, timeout=60),
         )
         torch.manual_seed(100 + rank)
         runner.init_weights(_init)
@@ -154,7 +152,11 @@ def replicas_start_equal(rank: int, world: int, modes: list[str]) -> list[str]:
         # rest, FSDP's shards of allocated garbage included, is refused.
         pipe = mpmd.trace(model, (ids.to("meta"),), split_before=["blocks.2"])
         runner = mpmd.PipelineRunner(
-            pipe, mpmd.schedules.OneFOneB(M), mesh=mesh, data_parallel=mode, loss_fn=case.loss
+            pipe,
+            mpmd.schedules.OneFOneB(M),
+            mesh=mesh,
+            loss_fn=case.loss,
+            options=mpmd.RunnerOptions(data_parallel=mode),
         )
         runner.init_weights(lambda m: m.reset_parameters() if isinstance(m, nn.Embedding) else None)
         try:

@@ -17,7 +17,10 @@ M, WIDTH, DEPTH, BATCH = 8, 64, 4, 64
 def one_f_one_b(rank, world):
     pipe, x, y, expected = mlp_memory_case(WIDTH, DEPTH, BATCH, M)
     runner = mpmd.PipelineRunner(
-        pipe, mpmd.schedules.OneFOneB(M), loss_fn=square_loss, timeout=60, measure_memory=True
+        pipe,
+        mpmd.schedules.OneFOneB(M),
+        loss_fn=square_loss,
+        options=mpmd.RunnerOptions(timeout=60, measure_memory=True),
     )
     for _ in range(2):
         runner.step(x, target=y)

@@ -73,7 +73,7 @@ def train_and_compare(rank, world, combos):
             pipe,
             schedule,
             loss_fn=lambda out, y, case=case: case.loss(case.output(out), y),
-            timeout=60,
+            options=mpmd.RunnerOptions(timeout=60),
         )
         opt = _optimizer(runner.parameters(), dtype)
         local = dict(runner.named_parameters())

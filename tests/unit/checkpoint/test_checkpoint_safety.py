@@ -64,12 +64,7 @@ def _runner(hidden: int = 8, seed: int = 0) -> mpmd.PipelineRunner:
     model = nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), nn.Linear(hidden, 2))
     pipe = mpmd.trace(model, (torch.randn(2, 4),), split_before=["2"])
     return mpmd.PipelineRunner(
-        pipe,
-        mpmd.schedules.GPipe(2),
-        loss_fn=square_loss,
-        timeout=10,
-        gloo_sched_batch=False,
-        keep_freed_memory=False,
+        pipe, mpmd.schedules.GPipe(2), loss_fn=square_loss, options=mpmd.RunnerOptions(timeout=10)
     )
 
 

@@ -356,7 +356,7 @@ def test_runners_given_different_jobs_fail_naming_the_difference():
         S.GPipe(4),
         transport=local.world.transport(1),
         loss_fn=square_loss,
-        timeout=5,
+        options=mpmd.RunnerOptions(timeout=5),
     )
     with pytest.raises(
         RuntimeError,

@@ -89,7 +89,7 @@ def _one_rank_runner(loss_fn) -> tuple[mpmd.PipelineRunner, torch.Tensor, torch.
         mpmd.schedules.GPipe(M),
         transport=LocalWorld(1).transport(0),
         loss_fn=loss_fn,
-        measure_memory=True,
+        options=mpmd.RunnerOptions(measure_memory=True),
     )
     return runner, x, y
 

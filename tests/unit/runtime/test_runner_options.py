@@ -44,10 +44,16 @@ def test_runner_takes_options():
 
 
 def test_former_keywords_still_work_with_a_deprecation_message():
+    # The one test of the former spelling: pyproject.toml's filterwarnings
+    # makes its DeprecationWarning an error everywhere else.
     with pytest.warns(DeprecationWarning, match=r"options=mpmd\.RunnerOptions\(timeout=\.\.\.\)"):
         runner = _runner(timeout=7.5)
     assert runner.timeout == 7.5
     assert runner.options == mpmd.RunnerOptions(timeout=7.5)
+    # The process-wide CPU knobs point at mpmd.tune_cpu() (False changes nothing).
+    with pytest.warns(DeprecationWarning, match=r"call mpmd\.tune_cpu\(\) once at start-up"):
+        runner = _runner(keep_freed_memory=False, gloo_sched_batch=False)
+    assert runner.options == mpmd.RunnerOptions()
 
 
 def test_keywords_and_options_together_are_refused():
