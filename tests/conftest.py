@@ -22,13 +22,15 @@ Fixtures, over the small model zoo of tests/models.py:
 
 from __future__ import annotations
 
+import datetime
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import settings
 from models import Traced, reference_step, trace_case
 
@@ -101,3 +103,19 @@ def local_pipeline() -> Callable[..., LocalPipeline]:
         return LocalPipeline(traced, schedule, num_ranks, **options)
 
     return make
+
+
+@pytest.fixture(scope="module")
+def one_rank_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A one-rank Gloo process group for the module's tests (a checkpoint's
+    collectives, a DeviceMesh of one rank)."""
+    store = tmp_path_factory.mktemp("store") / "store"
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    yield
+    dist.destroy_process_group()

@@ -154,19 +154,23 @@ class MarkedMLP(MLP):
         return x
 
 
-def _hf_llama(attention: str = "eager") -> nn.Module:
+def hf_llama(attention: str = "eager", **config: Any) -> nn.Module:
+    """A tiny Hugging Face Llama (vocabulary 96, 4 layers of width 32, 4
+    heads over 2 key-value heads, tied embeddings); `config` overrides."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
+    settings = {
+        "vocab_size": 96,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": True,
+        **config,
+    }
+    cfg = LlamaConfig(**settings)
     cfg._attn_implementation = attention
     return LlamaForCausalLM(cfg)
 
@@ -322,7 +326,7 @@ CASES = {
         ),
         Case(
             "hf_llama",
-            _hf_llama,
+            hf_llama,
             _token_inputs(96, 12, as_kwarg="input_ids"),
             {"split_before": ["model.layers.1", "model.layers.3"]},
             output=_hf_logits,
@@ -332,7 +336,7 @@ CASES = {
         ),
         Case(
             "hf_llama_sdpa",
-            lambda: _hf_llama("sdpa"),
+            lambda: hf_llama("sdpa"),
             _token_inputs(96, 12, as_kwarg="input_ids"),
             {"split_after": ["model.layers.1"]},
             output=_hf_logits,

@@ -27,6 +27,7 @@ from typing import Any, cast
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
+from torch.distributed.tensor import DTensor
 
 __all__: list[str] = []
 
@@ -150,6 +151,9 @@ class AutogradSplit:
                 # allow_unused: None for a parameter this microbatch does not reach
                 if cast("torch.Tensor | None", dw) is None:
                     continue
+                if isinstance(dw, DTensor) and isinstance(p, DTensor):
+                    # As AccumulateGrad does: the gradient placed as its parameter.
+                    dw = dw.redistribute(p.device_mesh, p.placements)
                 if p.grad is None:
                     p.grad = dw.detach().clone()
                 else:

@@ -15,7 +15,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .. import parallel
 from ..graph.pipe import Pipe, TensorSpec
+from ..graph.stage import as_stage
 from ..parallel.fsdp import Parallelize
+from ..parallel.tensor import TensorParallel, TensorPlan
 from ..schedule.task import is_index, recomputed_stages, require_schedule
 
 if TYPE_CHECKING:
@@ -151,6 +153,51 @@ def data_parallel_mode(
             "mesh_dim_names=('pp', 'dp')); without data parallelism leave data_parallel unset"
         )
     return mode
+
+
+def tensor_parallelism(
+    mesh: DeviceMesh | None, plan: Mapping[str, str] | None, pipe: Pipe, compiled: object
+) -> TensorParallel | None:
+    """The stages' tensor parallelism over the mesh's "tp" dimension (None:
+    none), checked before anything is compiled or exchanged."""
+    names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
+    if "tp" not in names:
+        if plan is not None:
+            raise ValueError(
+                "PipelineRunner: tp_plan needs a mesh with a 'tp' dimension, e.g. "
+                "init_device_mesh('cpu', (pp, tp), mesh_dim_names=('pp', 'tp'))"
+            )
+        return None
+    assert mesh is not None
+    if "dp" in names and mesh["dp"].size() > 1:
+        raise ValueError(
+            "PipelineRunner: tensor parallelism together with data parallelism (a mesh with "
+            "'dp' and 'tp' dimensions of more than one rank each) is not supported yet; use a "
+            "('pp', 'tp') or a ('pp', 'dp') mesh"
+        )
+    eager = [s for s in range(pipe.num_stages) if not as_stage(pipe.stage(s)).traced]
+    if eager:
+        raise ValueError(
+            f"PipelineRunner: tensor parallelism of stages cut by hand (mpmd.from_stages: "
+            f"stages {eager}) is not supported yet; trace the model with mpmd.trace"
+        )
+    if any(p.is_meta for _, p in pipe.named_parameters()):
+        raise ValueError(
+            "PipelineRunner: tensor parallelism of a model built on the meta device is not "
+            "supported yet; build the model on a real device"
+        )
+    if compiled:
+        raise ValueError(
+            "PipelineRunner: torch.compile of tensor-parallel stages is not supported yet; "
+            "leave RunnerOptions.compile off with a 'tp' mesh dimension"
+        )
+    if pipe.tied:
+        raise ValueError(
+            f"PipelineRunner: tensor parallelism with weights tied across stages "
+            f"({', '.join(sorted(pipe.tied))}) is not supported yet; split the model so that "
+            "each tied pair stays in one stage, or untie them"
+        )
+    return TensorParallel(TensorPlan.for_model(plan, pipe.source), mesh["tp"])
 
 
 def check_dtypes(pipe: Pipe, flat: list[Any]) -> None:

@@ -233,16 +233,17 @@ def connect(
 def _mesh_groups(
     mesh: DeviceMesh, group: dist.ProcessGroup | None, transport: Transport | None
 ) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
-    """The pipeline and data-parallel groups of a ("pp"[, "dp"]) DeviceMesh."""
+    """The pipeline and data-parallel groups of a ("pp"[, "dp"][, "tp"])
+    DeviceMesh (its "tp" dimension runs inside each stage, over DTensors)."""
     if group is not None or transport is not None:
         raise ValueError("PipelineRunner: pass mesh, or group / transport, not both")
     names = tuple(mesh.mesh_dim_names or ())
-    unknown = [n for n in names if n not in ("pp", "dp")]
+    unknown = [n for n in names if n not in ("pp", "dp", "tp")]
     if "pp" not in names or unknown:
         raise ValueError(
             f"PipelineRunner: the mesh's dimensions are named {names}; name them 'pp' "
-            "(pipeline) and 'dp' (data parallel), e.g. init_device_mesh('cpu', (2, 2), "
-            "mesh_dim_names=('pp', 'dp'))"
+            "(pipeline), 'dp' (data parallel) and 'tp' (tensor parallel), e.g. "
+            "init_device_mesh('cpu', (2, 2, 2), mesh_dim_names=('pp', 'dp', 'tp'))"
         )
     pp = mesh.get_group("pp")
     dp = mesh.get_group("dp") if "dp" in names else None

@@ -23,6 +23,7 @@ import torch
 
 from .. import _C
 from ..graph.pipe import Pipe, TensorSpec
+from ..parallel.tensor import TensorParallel
 from ..schedule.kinds import recomputes, splits_backward
 from ..schedule.program import Program, StageCollectives, compile_schedule
 from ..schedule.task import Schedule
@@ -70,6 +71,7 @@ class Options:
     wrap_stage: StageWrapper | None = None  # RunnerOptions.wrap_stage
     # The data parallelism's collectives in every stage's training program.
     collectives: StageCollectives | None = None
+    tensor: TensorParallel | None = None  # the stages' tensor parallelism
 
 
 class CompiledPipe:
@@ -109,6 +111,12 @@ class CompiledPipe:
             selective=set(options.selective_recompute) & set(self.local_stages),
             recomputed={t.stage for t in self.program.tasks(self.rank) if recomputes(t.kind)},
         )
+        tensor = options.tensor
+        if tensor is not None:
+            if shared is None:  # the others take its (sharded) parameters
+                tensor.shard(self.stages.modules, pipe.parameter_aliases, pipe.source)
+            modules = self.stages.modules
+            self.stages.wrap_forwards(lambda s, _: tensor.wrap(tensor.rewrite(modules[s])))
         if options.wrap_stage is not None:
             self.stages.wrap_forwards(functools.partial(options.wrap_stage, self.rank))
         # This rank's copy of each tied parameter it holds, by node id.

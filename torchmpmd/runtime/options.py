@@ -60,6 +60,15 @@ class RunnerOptions:
     """With `data_parallel="fsdp"`: your own `fn(stage, dp_mesh)` applying
     `fully_shard` to a stage, instead of the default one call per stage."""
 
+    tp_plan: Mapping[str, str] | None = None
+    """With a mesh that has a "tp" dimension: which module's parameters are
+    sharded over tp, as module-path patterns (`*`: one path component) to
+    styles, in Hugging Face's format (`{"model.layers.*.self_attn.q_proj":
+    "colwise", "model.layers.*.self_attn.o_proj": "rowwise", ...}`; styles
+    colwise, rowwise, their `_rep` forms, colwise_gather_output,
+    embedding_rowwise, replicate, sequence_parallel). Default: the model's
+    own plan (a Hugging Face model's `_tp_plan`)."""
+
     bucket_bytes: int = 25 * 2**20
     """Largest data-parallel gradient bucket (bytes): a stage's gradients go
     out in buckets as soon as its last backward of the step is done."""
@@ -87,7 +96,8 @@ class RunnerOptions:
 
 
 # PipelineRunner's keyword arguments before RunnerOptions, still accepted.
-_RENAMED = {f.name for f in dataclasses.fields(RunnerOptions)}
+# (Fields added since are RunnerOptions fields only.)
+_RENAMED = {f.name for f in dataclasses.fields(RunnerOptions)} - {"tp_plan"}
 # Process-wide CPU policies the runner used to set: now `mpmd.tune_cpu()`.
 _TUNING = ("gloo_sched_batch", "keep_freed_memory")
 
@@ -105,7 +115,7 @@ def resolve(options: RunnerOptions | None, legacy: dict[str, Any]) -> RunnerOpti
         raise TypeError(
             f"PipelineRunner got unexpected keyword arguments {unknown}; its arguments are the "
             "pipe, the schedule, loss_fn, mesh or group / transport, device and options "
-            f"(mpmd.RunnerOptions: {sorted(_RENAMED)})"
+            f"(mpmd.RunnerOptions: {sorted(f.name for f in dataclasses.fields(RunnerOptions))})"
         )
     tuning = {k: legacy.pop(k) for k in _TUNING if k in legacy}
     for name, value in tuning.items():

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
 
 from .. import _C
 from ..graph.pipe import Pipe
@@ -107,19 +108,26 @@ def clip_grad_norm(
         )
         return norms.max() if inf else norms.pow(norm_type).sum()
 
-    # FSDP shards (DTensor) are disjoint over dp: their part is reduced over
-    # dp too; replicated gradients are equal on every replica.
-    shards = [g.to_local() for g in grads if isinstance(g, DTensor)]
-    local = reduce([g for g in grads if not isinstance(g, DTensor)])
-    dp_group = collective.dp_group
+    # DTensor gradients (FSDP's over dp, tensor parallelism's over tp): a
+    # shard's part is reduced over each mesh dimension the gradient is
+    # sharded along; along the others its copies are equal, counted once.
+    sharded: dict[tuple[str, ...], list[DTensor]] = {}
+    for g in grads:
+        if isinstance(g, DTensor):
+            names = g.device_mesh.mesh_dim_names or ()
+            dims = tuple(names[i] for i, p in enumerate(g.placements) if p.is_shard())
+            sharded.setdefault(dims, []).append(g)
+    whole = sharded.pop((), [])
+    local = reduce([g for g in grads if not isinstance(g, DTensor)] + [g.to_local() for g in whole])
     with collective.call("clip_grad_norm_", options=options):
         # After the check-in: a replica that does not clip fails the check-in
         # instead of leaving this all-reduce waiting.
-        if shards and dp_group is not None:
-            sharded = reduce(shards).to(device)
+        for dims, group in sorted(sharded.items()):
+            part = reduce([g.to_local() for g in group]).to(device)
             op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-            dist.all_reduce(sharded, op=op, group=dp_group)
-            local = torch.maximum(local, sharded) if inf else local + sharded
+            for dim in dims:
+                dist.all_reduce(part, op=op, group=group[0].device_mesh.get_group(dim))
+            local = torch.maximum(local, part) if inf else local + part
         parts = all_gather(
             collective.transport,
             local.reshape(1, 1).to(device),
@@ -134,9 +142,10 @@ def clip_grad_norm(
             f"{float(total)}; pass error_if_nonfinite=False to clip anyway"
         )
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for p in params:
-        if p.grad is not None:
-            p.grad.mul_(coef.to(p.grad.dtype))
+    with implicit_replication():  # the factor scales DTensor gradients too
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.dtype))
     dtype = grads[0].dtype if grads else torch.float32
     return total.to(dtype)
 

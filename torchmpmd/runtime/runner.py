@@ -25,6 +25,7 @@ from .checks import (
     data_parallel_mode,
     recompute_policy,
     require_pipe,
+    tensor_parallelism,
 )
 from .collective import Collective, connect, pick_device
 from .compiled import CompiledPipe, Options
@@ -89,6 +90,7 @@ class PipelineRunner:
         check_schedule(schedule, opts.recompute, pipe.num_stages)
         timeout = check_options(opts.timeout, opts.compile, opts.max_early_recvs)
         mode = data_parallel_mode(opts.data_parallel, opts.parallelize, mesh)
+        tensor = tensor_parallelism(mesh, opts.tp_plan, pipe, opts.compile)
         link, board, group, dp_group = connect(mesh, group, transport)
         full, selective = recompute_policy(opts.recompute, pipe.num_stages)
         if full:
@@ -118,6 +120,7 @@ class PipelineRunner:
             measure_memory=bool(opts.measure_memory),
             wrap_stage=opts.wrap_stage,
             collectives=None if mode is None or dp_group is None else collectives(mode),
+            tensor=tensor,
         )
         first = CompiledPipe(pipe, self._options, shared=None)
         self._first = first

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
 
 from ..graph.pipe import Pipe
 from ..graph.split import SplitStage
@@ -99,8 +100,11 @@ def build_split_stage(
     (an eager stage splits through autograd instead)."""
     pipe = stages.pipe
     module = stages.modules[stage]
-    if not as_stage(module).traced:  # a stage cut by hand splits through autograd
-        return AutogradSplit(list(module.parameters()))
+    params = list(module.parameters())
+    # A stage cut by hand, or one run on DTensors (tensor parallelism),
+    # splits through autograd.
+    if not as_stage(module).traced or any(isinstance(p, DTensor) for p in params):
+        return AutogradSplit(params)
     assert isinstance(module, torch.fx.GraphModule)
     spec = pipe.stage_specs[stage]
     received = [

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import datetime
 import fractions
 import io
 import json
@@ -19,14 +18,12 @@ import pathlib
 import pickle
 import re
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from models import square_loss
@@ -40,17 +37,8 @@ ckpt = mpmd.checkpoint
 
 
 @pytest.fixture(scope="module", autouse=True)
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    store = tmp_path_factory.mktemp("store") / "store"
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=0,
-        world_size=1,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    yield
-    dist.destroy_process_group()
+def world(one_rank_world: None) -> None:
+    """Every test here runs in a one-rank process group."""
 
 
 @pytest.fixture(autouse=True)

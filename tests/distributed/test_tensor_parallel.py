@@ -1,0 +1,189 @@
+"""Tensor parallelism inside pipeline stages on a ("pp", "tp") DeviceMesh of
+4 Gloo processes: a Hugging Face Llama (tiny config, float64) runs with its
+own tp plan (`_tp_plan`: attention and MLP projections colwise / rowwise, the
+embedding by vocabulary rows, the head by columns), and the loss, every
+gradient (gathered to whole tensors), the clip norm and the parameters after
+AdamW steps equal the unpipelined model on the whole batch, for a schedule
+with one stage per rank (1F1B), one with a split backward (ZB-H1) and one
+with two stages per rank (Interleaved1F1B). Each rank holds its stages'
+sharded parameters only."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from harness import check_all, run_ranks
+
+import torchmpmd as mpmd
+
+M = 4  # microbatches
+ROWS, SEQ, VOCAB = 8, 12, 96
+
+
+def _llama() -> torch.nn.Module:
+    from models import hf_llama
+
+    torch.manual_seed(0)
+    return hf_llama(tie_word_embeddings=False, use_cache=False).double()
+
+
+def _loss(out, target):
+    from gpt import lm_loss
+
+    return lm_loss(out.logits, target)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+SPLITS = {2: ["model.layers.2"], 4: ["model.layers.1", "model.layers.2", "model.layers.3"]}
+
+
+def llama_on_pp_tp(rank: int, world: int, combos: list[tuple[str, int]]) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=g)
+    idx, target = tokens[:, :-1], tokens[:, 1:]
+    done = []
+    for schedule_name, num_stages in combos:
+        reference = _llama()
+        model = copy.deepcopy(reference)
+        pipe = mpmd.trace(
+            model, (), {"input_ids": idx[: ROWS // M]}, split_before=SPLITS[num_stages]
+        )
+        runner = mpmd.PipelineRunner(
+            pipe,
+            getattr(mpmd.schedules, schedule_name)(M),
+            mesh=mesh,
+            loss_fn=_loss,
+            options=mpmd.RunnerOptions(timeout=60),
+        )
+        what = f"{schedule_name} rank {rank}"
+        local = dict(runner.named_parameters())
+        # Each rank holds its stages' shards: the projections split over tp.
+        held = sum(
+            p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in local.values()
+        )
+        whole = sum(p.numel() for p in local.values())
+        sharded = sum(
+            p.numel()
+            for p in local.values()
+            if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)
+        )
+        assert sharded > 0.5 * whole, (what, sharded, whole)
+        assert held <= 1.1 * (sharded / 2 + (whole - sharded)), (what, held, whole)
+        placements = {n: p.placements[0] for n, p in local.items()}
+        q = [n for n in placements if n.endswith("q_proj.weight")]
+        o = [n for n in placements if n.endswith("o_proj.weight")]
+        assert q and all(placements[n] == Shard(0) for n in q), (what, placements)
+        assert o and all(placements[n] == Shard(1) for n in o), (what, placements)
+
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+        opt = torch.optim.AdamW(runner.parameters(), lr=1e-2, weight_decay=0.01)
+        for step in range(2):
+            ref_opt.zero_grad(set_to_none=True)
+            losses = []
+            for xb, yb in zip(idx.chunk(M), target.chunk(M), strict=True):
+                loss = _loss(reference(input_ids=xb), yb)
+                (loss / M).backward()
+                losses.append(loss.detach())
+            ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+            ref_opt.step()
+
+            opt.zero_grad(set_to_none=True)
+            out = runner.step(input_ids=idx, target=target)
+            msg = f"{what} step {step}"
+            torch.testing.assert_close(
+                out.loss,
+                torch.stack(losses).mean(),
+                rtol=1e-10,
+                atol=1e-10,
+                msg=lambda m, msg=msg: f"{msg}: {m}",
+            )
+            # Both clipped: the gradients compared are what the optimizer reads.
+            norm = runner.clip_grad_norm_(1.0)
+            torch.testing.assert_close(
+                norm, ref_norm, rtol=1e-10, atol=1e-10, msg=lambda m, msg=msg: f"{msg}: {m}"
+            )
+            for fqn, p in local.items():
+                torch.testing.assert_close(
+                    _full(p.grad),
+                    reference.get_parameter(fqn).grad,
+                    rtol=1e-10,
+                    atol=1e-10,
+                    msg=lambda m, w=f"{msg}: {fqn}": f"{w}: {m}",
+                )
+            opt.step()
+            for fqn, p in local.items():
+                torch.testing.assert_close(
+                    _full(p.detach()),
+                    reference.get_parameter(fqn).detach(),
+                    rtol=1e-9,
+                    atol=1e-9,
+                    msg=lambda m, w=f"{msg}: {fqn} after AdamW": f"{w}: {m}",
+                )
+        done.append(f"{schedule_name}: stages {runner.local_stages}")
+    return done
+
+
+@pytest.mark.parametrize(
+    "combos",
+    [
+        [("OneFOneB", 2), ("ZeroBubbleH1", 2)],
+        [("Interleaved1F1B", 4)],
+    ],
+    ids=["one-stage-per-rank", "two-stages-per-rank"],
+)
+def test_llama_with_its_own_tp_plan_matches_the_unpipelined_model(combos):
+    results = check_all(run_ranks(llama_on_pp_tp, 4, combos, deadline=300))
+    assert all(len(r) == len(combos) for r in results), results
+
+
+def refusals(rank: int, world: int) -> dict[str, str]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    pp_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    pp_dp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    dp_tp = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    idx = torch.randint(0, VOCAB, (2, SEQ))
+    untied = mpmd.trace(_llama(), (), {"input_ids": idx}, split_before=SPLITS[2])
+    tied_model = _llama()
+    tied_model.lm_head.weight = tied_model.model.embed_tokens.weight
+    tied = mpmd.trace(tied_model, (), {"input_ids": idx}, split_before=SPLITS[2])
+    with torch.device("meta"):
+        on_meta = _llama()
+    meta = mpmd.trace(on_meta, (), {"input_ids": idx.to("meta")}, split_before=SPLITS[2])
+    cases = {
+        "meta": (meta, pp_tp, None),
+        "plan without tp": (untied, pp_dp, mpmd.RunnerOptions(tp_plan={"x": "colwise"})),
+        "dp and tp": (untied, dp_tp, None),
+        "tied across stages": (tied, pp_tp, None),
+        "compile": (untied, pp_tp, mpmd.RunnerOptions(compile=True)),
+        "unknown style": (untied, pp_tp, mpmd.RunnerOptions(tp_plan={"lm_head": "isolated"})),
+    }
+    errors = {}
+    for name, (pipe, mesh, options) in cases.items():
+        try:
+            mpmd.PipelineRunner(pipe, mpmd.schedules.GPipe(2), mesh=mesh, options=options)
+            errors[name] = "no error"
+        except (ValueError, TypeError) as err:
+            errors[name] = str(err)
+    return errors
+
+
+def test_what_tensor_parallelism_does_not_run_yet_is_refused_before_anything_runs():
+    for errors in check_all(run_ranks(refusals, 4, deadline=120)):
+        assert "tp_plan needs a mesh with a 'tp' dimension" in errors["plan without tp"], errors
+        assert "together with data parallelism" in errors["dp and tp"], errors
+        assert "tied across stages (lm_head.weight" in errors["tied across stages"], errors
+        assert "torch.compile of tensor-parallel stages" in errors["compile"], errors
+        assert "'lm_head' has style 'isolated'" in errors["unknown style"], errors
+        assert "built on the meta device is not supported yet" in errors["meta"], errors
