@@ -11,6 +11,7 @@ sharded parameters only."""
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -187,3 +188,65 @@ def test_what_tensor_parallelism_does_not_run_yet_is_refused_before_anything_run
         assert "torch.compile of tensor-parallel stages" in errors["compile"], errors
         assert "'lm_head' has style 'isolated'" in errors["unknown style"], errors
         assert "built on the meta device is not supported yet" in errors["meta"], errors
+
+
+def _tokens(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def train_and_checkpoint(rank: int, world: int, tp: int, load: str | None, save: str | None):
+    """Two AdamW steps of the Llama on pp 2 x `tp` (loading before the first,
+    if asked, and saving after it); the second step's loss and this rank's
+    parameters after it, whole."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, tp), mesh_dim_names=("pp", "tp")) if tp > 1 else None
+    idx, _ = _tokens(0)
+    pipe = mpmd.trace(_llama(), (), {"input_ids": idx[: ROWS // M]}, split_before=SPLITS[2])
+    runner = mpmd.PipelineRunner(
+        pipe,
+        mpmd.schedules.OneFOneB(M),
+        mesh=mesh,
+        loss_fn=_loss,
+        options=mpmd.RunnerOptions(timeout=60),
+    )
+    opt = torch.optim.AdamW(runner.parameters(), lr=1e-2, weight_decay=0.01)
+    if load is not None:
+        assert mpmd.checkpoint.load(load, runner, opt) == {"step": 1}
+    else:
+        idx, target = _tokens(1)
+        runner.step(input_ids=idx, target=target)
+        opt.step()
+    if save is not None:
+        mpmd.checkpoint.save(save, runner, opt, extra={"step": 1})
+    opt.zero_grad(set_to_none=True)
+    idx, target = _tokens(2)
+    loss = runner.step(input_ids=idx, target=target).loss
+    opt.step()
+    state = {k: _full(v.detach()) for k, v in runner.state_dict().items()}
+    buffer = io.BytesIO()  # tensors through the result queue would need shared memory
+    torch.save(state, buffer)
+    return float(loss), buffer.getvalue()
+
+
+def _gathered(results: list) -> tuple[float, dict[str, torch.Tensor]]:
+    state: dict[str, torch.Tensor] = {}
+    for _, part in results:
+        state.update(torch.load(io.BytesIO(part)))
+    return results[0][0], state
+
+
+@pytest.mark.parametrize(("save_tp", "load_tp"), [(2, 1), (1, 2)])
+def test_checkpoints_move_between_tp_layouts(tmp_path, save_tp, load_tp):
+    # The step after loading equals the step of the run that saved (model
+    # and optimizer state resharded by DCP between tp 2 and tp 1).
+    path = str(tmp_path / "ckpt")
+    saved = check_all(run_ranks(train_and_checkpoint, 2 * save_tp, save_tp, None, path))
+    loaded = check_all(run_ranks(train_and_checkpoint, 2 * load_tp, load_tp, path, None))
+    (loss_a, state_a), (loss_b, state_b) = _gathered(saved), _gathered(loaded)
+    assert abs(loss_a - loss_b) < 1e-10, (loss_a, loss_b)
+    assert state_a.keys() == state_b.keys()
+    for key, value in state_a.items():
+        torch.testing.assert_close(state_b[key], value, rtol=1e-9, atol=1e-9, msg=key)
