@@ -45,13 +45,21 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 SPLITS = {2: ["model.layers.2"], 4: ["model.layers.1", "model.layers.2", "model.layers.3"]}
 
 
-def llama_on_pp_tp(rank: int, world: int, combos: list[tuple[str, int]]) -> list[str]:
+def llama_on_pp_tp(rank: int, world: int, combos: list[tuple[str, int]], dp: int = 1) -> list[str]:
+    """The Llama on a (pp 2[, dp], tp 2) mesh against the unpipelined model on
+    the whole batch; each data-parallel replica steps on its shard."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    if dp == 1:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+        shard = slice(None)
+    else:
+        mesh = init_device_mesh("cpu", (2, dp, 2), mesh_dim_names=("pp", "dp", "tp"))
+        rows = ROWS  # per replica
+        shard = slice(mesh.get_local_rank("dp") * rows, (mesh.get_local_rank("dp") + 1) * rows)
     g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=g)
+    tokens = torch.randint(0, VOCAB, (ROWS * dp, SEQ + 1), generator=g)
     idx, target = tokens[:, :-1], tokens[:, 1:]
     done = []
     for schedule_name, num_stages in combos:
@@ -92,15 +100,15 @@ def llama_on_pp_tp(rank: int, world: int, combos: list[tuple[str, int]]) -> list
         for step in range(2):
             ref_opt.zero_grad(set_to_none=True)
             losses = []
-            for xb, yb in zip(idx.chunk(M), target.chunk(M), strict=True):
+            for xb, yb in zip(idx.chunk(M * dp), target.chunk(M * dp), strict=True):
                 loss = _loss(reference(input_ids=xb), yb)
-                (loss / M).backward()
+                (loss / (M * dp)).backward()
                 losses.append(loss.detach())
             ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
             ref_opt.step()
 
             opt.zero_grad(set_to_none=True)
-            out = runner.step(input_ids=idx, target=target)
+            out = runner.step(input_ids=idx[shard], target=target[shard])
             msg = f"{what} step {step}"
             torch.testing.assert_close(
                 out.loss,
@@ -148,6 +156,13 @@ def test_llama_with_its_own_tp_plan_matches_the_unpipelined_model(combos):
     assert all(len(r) == len(combos) for r in results), results
 
 
+def test_pipeline_times_data_times_tensor_parallel():
+    # 8 processes: pp 2 x dp 2 x tp 2, replicas averaging their sharded
+    # gradients over dp (each tp coordinate its own dp group).
+    results = check_all(run_ranks(llama_on_pp_tp, 8, [("OneFOneB", 2)], 2, deadline=400))
+    assert all(len(r) == 1 for r in results), results
+
+
 def refusals(rank: int, world: int) -> dict[str, str]:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -165,7 +180,7 @@ def refusals(rank: int, world: int) -> dict[str, str]:
     cases = {
         "meta": (meta, pp_tp, None),
         "plan without tp": (untied, pp_dp, mpmd.RunnerOptions(tp_plan={"x": "colwise"})),
-        "dp and tp": (untied, dp_tp, None),
+        "fsdp and tp": (untied, dp_tp, mpmd.RunnerOptions(data_parallel="fsdp")),
         "tied across stages": (tied, pp_tp, None),
         "compile": (untied, pp_tp, mpmd.RunnerOptions(compile=True)),
         "unknown style": (untied, pp_tp, mpmd.RunnerOptions(tp_plan={"lm_head": "isolated"})),
@@ -183,7 +198,7 @@ def refusals(rank: int, world: int) -> dict[str, str]:
 def test_what_tensor_parallelism_does_not_run_yet_is_refused_before_anything_runs():
     for errors in check_all(run_ranks(refusals, 4, deadline=120)):
         assert "tp_plan needs a mesh with a 'tp' dimension" in errors["plan without tp"], errors
-        assert "together with data parallelism" in errors["dp and tp"], errors
+        assert "with data_parallel='fsdp' is not supported yet" in errors["fsdp and tp"], errors
         assert "tied across stages (lm_head.weight" in errors["tied across stages"], errors
         assert "torch.compile of tensor-parallel stages" in errors["compile"], errors
         assert "'lm_head' has style 'isolated'" in errors["unknown style"], errors

@@ -30,6 +30,7 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from ..schedule.program import StageCollectives
 
@@ -103,7 +104,8 @@ class Replicate:
             return
         for group in _buckets(params, self.bucket_bytes):
             parts = [
-                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in group
+                (_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p))).reshape(-1)
+                for p in group
             ]
             flags = torch.tensor(
                 [p.grad is not None for p in group], dtype=parts[0].dtype, device=parts[0].device
@@ -125,7 +127,7 @@ def broadcast_from_first(
         return
     src = dist.get_global_rank(group, 0)
     first = dist.get_rank(group) == 0
-    for bucket in _buckets(list(tensors), bucket_bytes):
+    for bucket in _buckets([_local(t) for t in tensors], bucket_bytes):
         flat = torch.cat([t.detach().reshape(-1) for t in bucket])
         dist.broadcast(flat, src=src, group=group)
         if first:
@@ -142,14 +144,25 @@ def _write_back(bucket: _Bucket, size: int) -> None:
     offset = 0
     with torch.no_grad():
         for p, flag in zip(bucket.params, flags.tolist(), strict=True):
-            numel = p.numel()
+            local = _local(p)
+            numel = local.numel()
             if flag:
-                mean = bucket.flat[offset : offset + numel].view_as(p) / size
-                if p.grad is None:
-                    p.grad = mean.clone()
+                mean = bucket.flat[offset : offset + numel].view_as(local) / size
+                if p.grad is not None:
+                    _local(p.grad).copy_(mean)
+                elif isinstance(p, DTensor):
+                    p.grad = DTensor.from_local(
+                        mean.clone(), p.device_mesh, p.placements, run_check=False
+                    )
                 else:
-                    p.grad.copy_(mean)
+                    p.grad = mean.clone()
             offset += numel
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (tensor parallelism: the replicas of a
+    tp coordinate hold the same shards), or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _buckets(params: list[_P], bucket_bytes: int) -> list[list[_P]]:
@@ -158,7 +171,7 @@ def _buckets(params: list[_P], bucket_bytes: int) -> list[list[_P]]:
     out: list[list[_P]] = []
     size = 0
     for p in params:
-        nbytes = p.numel() * p.element_size()
+        nbytes = _local(p).numel() * p.element_size()
         last = out[-1] if out else None
         if (
             last is None

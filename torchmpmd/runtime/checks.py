@@ -156,7 +156,11 @@ def data_parallel_mode(
 
 
 def tensor_parallelism(
-    mesh: DeviceMesh | None, plan: Mapping[str, str] | None, pipe: Pipe, compiled: object
+    mesh: DeviceMesh | None,
+    plan: Mapping[str, str] | None,
+    pipe: Pipe,
+    compiled: object,
+    data_parallel: str | None,
 ) -> TensorParallel | None:
     """The stages' tensor parallelism over the mesh's "tp" dimension (None:
     none), checked before anything is compiled or exchanged."""
@@ -169,11 +173,11 @@ def tensor_parallelism(
             )
         return None
     assert mesh is not None
-    if "dp" in names and mesh["dp"].size() > 1:
+    if data_parallel not in (None, "replicate") and mesh["dp"].size() > 1:
         raise ValueError(
-            "PipelineRunner: tensor parallelism together with data parallelism (a mesh with "
-            "'dp' and 'tp' dimensions of more than one rank each) is not supported yet; use a "
-            "('pp', 'tp') or a ('pp', 'dp') mesh"
+            f"PipelineRunner: tensor parallelism with data_parallel={data_parallel!r} is not "
+            "supported yet; replicate the stages over 'dp' (data_parallel='replicate', the "
+            "default) or use a ('pp', 'tp') mesh"
         )
     eager = [s for s in range(pipe.num_stages) if not as_stage(pipe.stage(s)).traced]
     if eager:

@@ -90,7 +90,7 @@ class PipelineRunner:
         check_schedule(schedule, opts.recompute, pipe.num_stages)
         timeout = check_options(opts.timeout, opts.compile, opts.max_early_recvs)
         mode = data_parallel_mode(opts.data_parallel, opts.parallelize, mesh)
-        tensor = tensor_parallelism(mesh, opts.tp_plan, pipe, opts.compile)
+        tensor = tensor_parallelism(mesh, opts.tp_plan, pipe, opts.compile, mode)
         link, board, group, dp_group = connect(mesh, group, transport)
         full, selective = recompute_policy(opts.recompute, pipe.num_stages)
         if full:
