@@ -35,11 +35,12 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
@@ -47,7 +48,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 
 from . import tensor_ops  # noqa: F401  (sharding strategies DTensor lacks)
 
-__all__ = ["STYLES", "TensorParallel", "TensorPlan", "replicated"]
+__all__ = ["STYLES", "TensorParallel", "TensorPlan", "TiedShards", "replicated"]
 
 # Each style: the placement of a module's weight and of its other parameters
 # (bias), over the tp dimension; sequence_parallel and replicate keep the
@@ -183,6 +184,7 @@ class TensorParallel:
 
     plan: TensorPlan
     mesh: DeviceMesh  # 1-D: "tp"
+    root: DeviceMesh  # the runner's whole mesh ("pp", ["dp",] "tp")
 
     @property
     def size(self) -> int:
@@ -261,6 +263,11 @@ class TensorParallel:
         copied.recompile()
         return copied
 
+    def tied_shards(self, ties: Sequence[tuple[int, Sequence[int]]]) -> TiedShards:
+        """The sum of tied weights' gradient shards over their holders (see
+        `TiedShards`), for `ties`: (node, holder pipeline ranks)."""
+        return TiedShards(self.root, ties)
+
     def wrap(self, call: Callable[..., Any]) -> Callable[..., Any]:
         """A stage callable whose outputs are handed back replicated and local."""
         mesh = self.mesh
@@ -316,3 +323,41 @@ def _insert_after(graph: fx.Graph, node: fx.Node, target: str, users: list[fx.No
     placed.meta = dict(node.meta)
     for user in users:
         user.replace_input_with(node, placed)
+
+
+class TiedShards:
+    """The pipeline's sum of a tied weight's gradients under tensor
+    parallelism: the copies' gradients are DTensors placed alike, so each
+    tp rank adds up its shards with the same tp coordinate's on the other
+    holder ranks (the executor exchanges plain tensors only). One process
+    group per tie and (dp, tp) coordinate, of the tie's holder ranks, made
+    by its members in the same order."""
+
+    def __init__(self, mesh: DeviceMesh, ties: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """`ties`: (node, the pipeline ranks holding a copy) of each tie
+        whose copies live on more than one pipeline rank."""
+        names = tuple(mesh.mesh_dim_names or ())
+        grid = mesh.mesh.movedim(names.index("pp"), 0)
+        per_pp = grid.reshape(grid.shape[0], -1)  # pp coordinate x the others
+        me = dist.get_rank()
+        self._groups: dict[int, dist.ProcessGroup] = {}
+        for node, holders in ties:
+            for column in range(per_pp.shape[1]):
+                ranks = [int(per_pp[h, column]) for h in sorted(holders)]
+                if me in ranks:
+                    group = dist.new_group(ranks, use_local_synchronization=True)
+                    self._groups[node] = group
+
+    def __bool__(self) -> bool:
+        return bool(self._groups)
+
+    @torch.no_grad()
+    def reduce(self, params: Mapping[int, torch.nn.Parameter]) -> None:
+        """Sums each tie's gradient over its holders (after the schedule,
+        before data parallelism averages it)."""
+        for node, group in self._groups.items():
+            param = params[node]
+            if param.grad is None:  # a copy the step did not reach adds zeros
+                param.grad = torch.zeros_like(param)
+            grad = param.grad
+            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)

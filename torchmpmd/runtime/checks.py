@@ -195,13 +195,7 @@ def tensor_parallelism(
             "PipelineRunner: torch.compile of tensor-parallel stages is not supported yet; "
             "leave RunnerOptions.compile off with a 'tp' mesh dimension"
         )
-    if pipe.tied:
-        raise ValueError(
-            f"PipelineRunner: tensor parallelism with weights tied across stages "
-            f"({', '.join(sorted(pipe.tied))}) is not supported yet; split the model so that "
-            "each tied pair stays in one stage, or untie them"
-        )
-    return TensorParallel(TensorPlan.for_model(plan, pipe.source), mesh["tp"])
+    return TensorParallel(TensorPlan.for_model(plan, pipe.source), mesh["tp"], mesh)
 
 
 def check_dtypes(pipe: Pipe, flat: list[Any]) -> None:

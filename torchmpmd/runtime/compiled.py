@@ -25,8 +25,9 @@ from .. import _C
 from ..graph.pipe import Pipe, TensorSpec
 from ..parallel.tensor import TensorParallel
 from ..schedule.kinds import recomputes, splits_backward
-from ..schedule.program import Program, StageCollectives, compile_schedule
+from ..schedule.program import Edge, Program, StageCollectives, StageGraph, compile_schedule
 from ..schedule.task import Schedule
+from ..schedule.timeline import Timeline, from_records
 from .microbatch import Microbatcher
 from .options import StageWrapper
 from .stages import LocalStages, LossFn
@@ -82,8 +83,12 @@ class CompiledPipe:
         self._options = options
         transport = options.transport
         self.rank: int = transport.rank
+        # Under tensor parallelism the tied weights' gradients are DTensors,
+        # which the executor does not exchange: `parallel.tensor.TiedShards`
+        # sums their shards after the schedule instead.
+        graph = pipe if options.tensor is None else untied(pipe)
         self.program: Program = compile_schedule(
-            options.schedule, pipe, transport.size, collectives=options.collectives
+            options.schedule, graph, transport.size, collectives=options.collectives
         )
         placement = self.program.placement
         self.local_stages = [s for s in range(pipe.num_stages) if placement[s] == self.rank]
@@ -206,6 +211,13 @@ class CompiledPipe:
             return set()
         raise ValueError(f"split_backward must be True, False or 'auto', got {split_backward!r}")
 
+    def measured_timeline(self, num_ranks: int) -> Timeline:
+        """This rank's timeline of the training executor's last run."""
+        e = self.executor
+        return from_records(
+            self.rank, num_ranks, e.records(), e.step_start_unix_ns, e.peak_held_bytes
+        )
+
     def _executor(self, program: Program, training: bool) -> _C.runtime.Executor:
         pipe, options = self.pipe, self._options
         values = [
@@ -228,13 +240,19 @@ class CompiledPipe:
             stages=stages,
             values=values,
             transport=options.transport,
-            tied=dict(self.tied_parameters) if training else {},
+            tied=dict(self.tied_parameters) if training and options.tensor is None else {},
             timeout_s=options.timeout,
             max_early_recvs=options.max_early_recvs,
             training=training,
             device=options.device,
             measure_memory=options.measure_memory,
         )
+
+
+def untied(pipe: Pipe) -> StageGraph:
+    """`pipe`'s stages and transfers without its tied groups."""
+    edges = tuple(Edge(e.value, e.src, e.dst, e.bytes, e.requires_grad) for e in pipe.plan.edges())
+    return StageGraph(pipe.num_stages, edges)
 
 
 def _retrace_failure(pipe: Pipe, row: list[Any], err: Exception) -> str:

@@ -14,7 +14,7 @@ from ..graph.pipe import Pipe
 from ..parallel import collectives, wrap
 from ..schedule.program import Program
 from ..schedule.task import Schedule
-from ..schedule.timeline import Timeline, from_records
+from ..schedule.timeline import Timeline
 from ..version import __version__
 from . import rank_rng, results
 from .batches import Batch, Batches
@@ -61,12 +61,12 @@ class PipelineRunner:
     between steps: a new microbatch shape is traced once more from the
     model, on every rank alike (`num_traces` counts them).
 
-    The ranks talk over `mesh` (a DeviceMesh with a "pp" and optionally a
-    "dp" dimension), `group` (a process group; default: the world) or any
-    `transport` (`torchmpmd.runtime.transport`, e.g. the in-process one of
-    `torchmpmd.testing`). `options` (`mpmd.RunnerOptions`) holds the tuning
-    knobs: timeout, recompute, data parallelism, split backward, compile,
-    memory measurement. Every call that exchanges messages (`step`,
+    The ranks talk over `mesh` (a DeviceMesh with a "pp" and optionally "dp"
+    and "tp" dimensions), `group` (default: the world) or any `transport`
+    (`torchmpmd.runtime.transport`, e.g. `torchmpmd.testing`'s in-process
+    one). `options` (`mpmd.RunnerOptions`) holds the tuning knobs: timeout,
+    recompute, data and tensor parallelism, split backward, compile, memory
+    measurement. Every call that exchanges messages (`step`,
     `eval_step`, `clip_grad_norm_`, `gather_timeline`, `init_weights`,
     `load_state_dict`) is a collective: call it on every rank, `step` and
     `eval_step` with the same full batch (checked: docs/reliability.md).
@@ -141,6 +141,7 @@ class PipelineRunner:
         self._weights = Weights(pipe, first, self._collective, dp_group, opts.bucket_bytes)
         self._weights.start_replicas()
         self._collective.first_call_hook = self._weights.first_call
+        self._ties = tensor.tied_shards(self._weights.tie_holders()) if tensor else None
         self._dp = wrap(
             mode,
             mesh,
@@ -191,16 +192,11 @@ class PipelineRunner:
                     # from their own CPU generator (rank_rng.py).
                     replay_rng=not (rank_rng.in_rank_thread() and self.device.type == "cpu"),
                 )
+            if self._ties:
+                self._ties.reduce(self._first.tied_parameters)
             if dp is not None:
                 dp.finish()
-            executor = compiled.executor
-            self.timeline = from_records(
-                self.rank,
-                self.num_ranks,
-                executor.records(),
-                executor.step_start_unix_ns,
-                executor.peak_held_bytes,
-            )
+            self.timeline = compiled.measured_timeline(self.num_ranks)
             loss, losses = results.share_losses(
                 self._collective, compiled.loss_rank, step.losses, self.device, self.dp_group
             )

@@ -184,6 +184,12 @@ class Weights:
                 with self._first.stages.allocation.copies_only():
                     broadcast_from_first(self._dp_group, tensors, self._bucket_bytes)
 
+    def tie_holders(self) -> list[tuple[int, list[int]]]:
+        """(node, holder ranks) of each tie whose copies live on more than
+        one pipeline rank, in the plan's order."""
+        tied = self._pipe.plan.tied
+        return [(tied[i].node, holders) for i, _, holders in self._ties_across_ranks()]
+
     def _ties_across_ranks(self) -> list[tuple[int, int, list[int]]]:
         """(index, owner rank, holder ranks) of each tie whose copies live on
         more than one rank, in the plan's order (the same on every rank)."""
@@ -210,14 +216,17 @@ class Weights:
             param = self._first.tied_parameters[self._pipe.plan.tied[i].node]
             tag = _TIED_TAG + i
             what = f"the tied weight '{names.get(id(param), '?')}'"
+            # Under tensor parallelism each tp rank's copy is its shard.
+            local = param.detach()
+            local = local.to_local() if isinstance(local, DTensor) else local
             if self.rank == owner:
                 for peer in holders:
                     if peer != owner:
-                        send(transport, param.detach(), peer, tag, timeout, what)
+                        send(transport, local, peer, tag, timeout, what)
             else:
-                value = torch.empty_like(param)
+                value = torch.empty_like(local)
                 recv(transport, value, owner, tag, timeout, what)
-                param.copy_(value)
+                local.copy_(value)
 
     def first_call(self) -> None:
         """At the runner's first collective call: copies of a tied weight
