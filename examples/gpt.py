@@ -63,6 +63,19 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    # Tensor parallelism (a mesh with a "tp" dimension), in Hugging Face's
+    # plan format, which torchmpmd reads from a model's `_tp_plan`: each
+    # block's MLP as Megatron splits it (the first layer by output features,
+    # the second by input features: one all-reduce), the attention's packed
+    # q/k/v projection by output features and its output projection by
+    # input features. Embeddings, norms and the tied head stay whole.
+    _tp_plan = {
+        "blocks.*.attn.qkv": "colwise",
+        "blocks.*.attn.proj": "rowwise",
+        "blocks.*.mlp.0": "colwise",
+        "blocks.*.mlp.2": "rowwise",
+    }
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg

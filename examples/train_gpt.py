@@ -3,11 +3,14 @@
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py
     torchrun --standalone --nproc_per_node=4 examples/train_gpt.py --schedule gpipe
     torchrun --standalone --nproc_per_node=4 examples/train_gpt.py --dp 2 --meta-init
+    torchrun --standalone --nproc_per_node=4 examples/train_gpt.py --tp 2
 
 Gloo on CPU, NCCL on GPUs (one per process, chosen by LOCAL_RANK; pick the
-backend with --device). The processes form a (pp, dp) DeviceMesh: `--dp N`
-makes N data-parallel replicas of a pipeline over world / N ranks, each
-stepping on its shard of the global batch. Every rank reads the same batches
+backend with --device). The processes form a (pp, dp[, tp]) DeviceMesh:
+`--dp N` makes N data-parallel replicas of a pipeline over world / N ranks,
+each stepping on its shard of the global batch; `--tp N` runs every stage on
+N ranks with its parameters sharded as the model's `_tp_plan` says (world =
+pp x dp x tp; keep tp inside a node). Every rank reads the same batches
 and keeps only its stages; `--meta-init` builds the model on the meta device
 and initialises each rank's stages in place, so no rank ever holds the whole
 model. Prints each rank's parameter bytes, the loss and tokens/s, then the
@@ -52,6 +55,9 @@ def parse_args() -> argparse.Namespace:
         "--stages-per-rank", type=int, default=None, help="default: 2 for V and interleaved, else 1"
     )
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world = pp x dp)")
+    p.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel ranks per stage (world = pp x dp x tp)"
+    )
     p.add_argument(
         "--data-parallel",
         choices=["replicate", "fsdp"],
@@ -118,10 +124,14 @@ def main() -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     if not use_cuda:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    if world % args.dp:
-        raise SystemExit(f"--dp {args.dp} does not divide the {world} processes")
-    pp_size = world // args.dp
-    mesh = init_device_mesh(device.type, (pp_size, args.dp), mesh_dim_names=("pp", "dp"))
+    if world % (args.dp * args.tp):
+        raise SystemExit(f"--dp {args.dp} x --tp {args.tp} does not divide the {world} processes")
+    pp_size = world // (args.dp * args.tp)
+    if args.tp > 1:
+        shape, names = (pp_size, args.dp, args.tp), ("pp", "dp", "tp")
+    else:
+        shape, names = (pp_size, args.dp), ("pp", "dp")
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
     pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
 
     data = torch.frombuffer(bytearray(CORPUS.read_bytes()), dtype=torch.uint8).long()
@@ -170,7 +180,8 @@ def main() -> None:
         n = sum(p.numel() for p in model.parameters())
         print(
             f"\n{n / 1e6:.2f}M parameters, {num_stages} stages on {pp_size} pipeline ranks x "
-            f"{args.dp} data-parallel ({dist.get_backend()}), {type(schedule).__name__}, "
+            f"{args.dp} data-parallel x {args.tp} tensor-parallel ({dist.get_backend()}), "
+            f"{type(schedule).__name__}, "
             f"{args.microbatches} x {args.microbatch_size} sequences of {args.seq_len} per "
             "step and replica",
             flush=True,

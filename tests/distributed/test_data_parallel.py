@@ -147,6 +147,10 @@ def _check_collectives(runner, mode: str, what: str) -> None:
         assert e.start >= last, (what, e, last)
     if len(runner.local_stages) > 1:
         assert min(e.start for e in reduced) < max(t.end for t in tl.tasks), (what, reduced)
+    # Every pipeline rank's reductions travel in the gathered timeline too.
+    gathered = runner.gather_timeline()
+    ranks = {e.rank for e in gathered.events if e.kind == "reduce_grads"}
+    assert ranks == set(range(runner.num_ranks)), (what, ranks)
 
 
 # (schedule, stages on the 2 pipeline ranks, microbatches per replica):

@@ -45,10 +45,57 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 SPLITS = {2: ["model.layers.2"], 4: ["model.layers.1", "model.layers.2", "model.layers.3"]}
 
 
-def llama_on_pp_tp(
-    rank: int, world: int, combos: list[tuple[str, int]], dp: int = 1, tied: bool = False
+class _Model:
+    """A model of the test, as the test calls it: Hugging Face's Llama (its
+    own plan, input ids as a keyword, an output object) or the bundled GPT
+    (examples/gpt.py: its `_tp_plan` in the model file, packed q/k/v, tied
+    embeddings always)."""
+
+    def __init__(self, kind: str, tied: bool) -> None:
+        self.kind, self.tied = kind, tied
+
+    def build(self) -> torch.nn.Module:
+        if self.kind == "llama":
+            return _llama(self.tied)
+        from gpt import GPT, GPTConfig
+
+        torch.manual_seed(0)
+        return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, dim=32, heads=4, layers=4)).double()
+
+    def inputs(self, ids: torch.Tensor) -> tuple[tuple, dict]:
+        return ((), {"input_ids": ids}) if self.kind == "llama" else ((ids,), {})
+
+    def split(self, num_stages: int) -> list[str]:
+        if self.kind == "llama":
+            return SPLITS[num_stages]
+        return [f"blocks.{4 * s // num_stages}" for s in range(1, num_stages)]
+
+    def loss(self, out, target):
+        from gpt import lm_loss
+
+        return lm_loss(out.logits if self.kind == "llama" else out, target)
+
+    # Parameters the plan shards by output (colwise) and by input (rowwise).
+    def sharded_names(self) -> tuple[str, str]:
+        return (
+            ("q_proj.weight", "o_proj.weight")
+            if self.kind == "llama"
+            else (
+                "attn.qkv.weight",
+                "mlp.2.weight",
+            )
+        )
+
+
+def model_on_pp_tp(
+    rank: int,
+    world: int,
+    combos: list[tuple[str, int]],
+    dp: int = 1,
+    tied: bool = False,
+    kind: str = "llama",
 ) -> list[str]:
-    """The Llama on a (pp 2[, dp], tp 2) mesh against the unpipelined model on
+    """The model on a (pp 2[, dp], tp 2) mesh against the unpipelined model on
     the whole batch; each data-parallel replica steps on its shard."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
@@ -65,16 +112,16 @@ def llama_on_pp_tp(
     idx, target = tokens[:, :-1], tokens[:, 1:]
     done = []
     for schedule_name, num_stages in combos:
-        reference = _llama(tied)
+        case = _Model(kind, tied)
+        reference = case.build()
         model = copy.deepcopy(reference)
-        pipe = mpmd.trace(
-            model, (), {"input_ids": idx[: ROWS // M]}, split_before=SPLITS[num_stages]
-        )
+        args, kwargs = case.inputs(idx[: ROWS // M])
+        pipe = mpmd.trace(model, args, kwargs, split_before=case.split(num_stages))
         runner = mpmd.PipelineRunner(
             pipe,
             getattr(mpmd.schedules, schedule_name)(M),
             mesh=mesh,
-            loss_fn=_loss,
+            loss_fn=case.loss,
             options=mpmd.RunnerOptions(timeout=60),
         )
         what = f"{schedule_name} rank {rank}"
@@ -92,8 +139,9 @@ def llama_on_pp_tp(
         assert sharded > 0.5 * whole, (what, sharded, whole)
         assert held <= 1.1 * (sharded / 2 + (whole - sharded)), (what, held, whole)
         placements = {n: p.placements[0] for n, p in local.items()}
-        q = [n for n in placements if n.endswith("q_proj.weight")]
-        o = [n for n in placements if n.endswith("o_proj.weight")]
+        by_rows, by_columns = case.sharded_names()
+        q = [n for n in placements if n.endswith(by_rows)]
+        o = [n for n in placements if n.endswith(by_columns)]
         assert q and all(placements[n] == Shard(0) for n in q), (what, placements)
         assert o and all(placements[n] == Shard(1) for n in o), (what, placements)
 
@@ -103,14 +151,16 @@ def llama_on_pp_tp(
             ref_opt.zero_grad(set_to_none=True)
             losses = []
             for xb, yb in zip(idx.chunk(M * dp), target.chunk(M * dp), strict=True):
-                loss = _loss(reference(input_ids=xb), yb)
+                a, k = case.inputs(xb)
+                loss = case.loss(reference(*a, **k), yb)
                 (loss / (M * dp)).backward()
                 losses.append(loss.detach())
             ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
             ref_opt.step()
 
             opt.zero_grad(set_to_none=True)
-            out = runner.step(input_ids=idx[shard], target=target[shard])
+            a, k = case.inputs(idx[shard])
+            out = runner.step(*a, target=target[shard], **k)
             msg = f"{what} step {step}"
             torch.testing.assert_close(
                 out.loss,
@@ -157,14 +207,23 @@ def test_llama_with_its_own_tp_plan_matches_the_unpipelined_model(combos, tied):
     # Tied: the embedding (stage 0, rank 0) and the head (stage 3, rank 1)
     # share one weight, sharded alike (vocabulary rows); the pipeline sums
     # their gradients shard by shard.
-    results = check_all(run_ranks(llama_on_pp_tp, 4, combos, 1, tied, deadline=300))
+    results = check_all(run_ranks(model_on_pp_tp, 4, combos, 1, tied, deadline=300))
     assert all(len(r) == len(combos) for r in results), results
+
+
+def test_the_bundled_gpt_with_the_plan_in_its_model_file():
+    # examples/gpt.py: packed q/k/v split by output features (DTensor
+    # gathers it where the heads are split), tied embeddings across stages.
+    results = check_all(
+        run_ranks(model_on_pp_tp, 4, [("OneFOneB", 2)], 1, True, "gpt", deadline=300)
+    )
+    assert all(len(r) == 1 for r in results), results
 
 
 def test_pipeline_times_data_times_tensor_parallel():
     # 8 processes: pp 2 x dp 2 x tp 2, replicas averaging their sharded
     # gradients over dp (each tp coordinate its own dp group), tied weights.
-    results = check_all(run_ranks(llama_on_pp_tp, 8, [("OneFOneB", 2)], 2, True, deadline=400))
+    results = check_all(run_ranks(model_on_pp_tp, 8, [("OneFOneB", 2)], 2, True, deadline=400))
     assert all(len(r) == 1 for r in results), results
 
 

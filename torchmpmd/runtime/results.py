@@ -14,7 +14,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 from .. import _C
 from ..graph.pipe import Pipe
-from ..schedule.timeline import Timeline, TimelineEvent
+from ..schedule.timeline import COLLECTIVES, Timeline, TimelineEvent
 from .checks import clip_options
 from .collective import Collective
 from .microbatch import merge
@@ -156,7 +156,8 @@ def gather_timeline(
     """`PipelineRunner.gather_timeline`: every rank's last measured timeline."""
     if timeline is None:
         raise RuntimeError("gather_timeline: run a step first")
-    kinds = list(_C.schedule.TaskKind.__members__)  # measured events are tasks
+    # Measured events are tasks and data-parallel collectives.
+    kinds = [*_C.schedule.TaskKind.__members__, *COLLECTIVES]
     peak = timeline.peak_activation_bytes[collective.rank]
     # float64 holds nanosecond times and byte counts (< 2**53) exactly; the
     # first row carries the rank's peak.
