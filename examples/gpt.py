@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -69,7 +70,7 @@ class GPT(nn.Module):
     # the second by input features: one all-reduce), the attention's packed
     # q/k/v projection by output features and its output projection by
     # input features. Embeddings, norms and the tied head stay whole.
-    _tp_plan = {
+    _tp_plan: ClassVar[dict[str, str]] = {
         "blocks.*.attn.qkv": "colwise",
         "blocks.*.attn.proj": "rowwise",
         "blocks.*.mlp.0": "colwise",
