@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 
 from . import tensor_ops  # noqa: F401  (sharding strategies DTensor lacks)
 
-__all__ = ["STYLES", "TensorParallel", "TensorPlan", "TiedShards", "replicated"]
+__all__ = ["STYLES", "ShardedGrads", "TensorParallel", "TensorPlan", "replicated"]
 
 # Each style: the placement of a module's weight and of its other parameters
 # (bias), over the tp dimension; sequence_parallel and replicate keep the
@@ -156,11 +156,31 @@ class TensorPlan:
 
 
 def replicated(value: Any) -> Any:
-    """`value` redistributed to replicated over its mesh (a graph node the
-    stage rewrite inserts where a styled module's output leaves it)."""
-    if isinstance(value, DTensor) and not all(p.is_replicate() for p in value.placements):
-        return value.redistribute(value.device_mesh, [Replicate()] * value.device_mesh.ndim)
+    """`value` redistributed to replicated over its mesh (where a styled
+    module's output leaves it, and a stage's outputs), its gradient made
+    replicated too on the way back: module boundaries carry whole values
+    both ways, as torch's tensor-parallel hooks make them (a gradient left
+    partial cannot go back into a vocabulary-parallel embedding's masked
+    sum)."""
+    if isinstance(value, DTensor):
+        return _ToReplicate.apply(value)  # type: ignore[no-untyped-call]
     return value
+
+
+def _all_replicate(value: DTensor) -> DTensor:
+    if all(p.is_replicate() for p in value.placements):
+        return value
+    return value.redistribute(value.device_mesh, [Replicate()] * value.device_mesh.ndim)
+
+
+class _ToReplicate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, value: DTensor) -> DTensor:
+        return _all_replicate(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        return _all_replicate(grad) if isinstance(grad, DTensor) else grad
 
 
 def _inside(node: fx.Node, path: str) -> bool:
@@ -247,12 +267,22 @@ class TensorParallel:
         """
         assert isinstance(module, fx.GraphModule), "tensor parallelism runs traced stages"
         graph = copy.deepcopy(module.graph)
-        copied = fx.GraphModule(module, graph, class_name=type(module).__name__)
-        copied.add_submodule("_tp_replicated", _Replicated(self.mesh))
         for node in list(graph.nodes):
-            if _enters(node, copied):
+            if node.op == "get_attr":
+                # Looked up on the stage at every call: a data parallelism
+                # (FSDP) swaps the stage's parameters between uses.
+                target = str(node.target)
+                with graph.inserting_before(node):
+                    looked_up = graph.call_module("_tp_attributes", (target,))
+                looked_up.meta = dict(node.meta)
+                node.replace_all_uses_with(looked_up)
+                graph.erase_node(node)
+                parameter = isinstance(_attribute(module, target), torch.nn.Parameter)
+                if not parameter and isinstance(looked_up.meta.get("val"), torch.Tensor):
+                    _insert_after(graph, looked_up, "_tp_replicated", list(looked_up.users))
+            elif _enters(node):
                 _insert_after(graph, node, "_tp_replicated", list(node.users))
-                continue
+        for node in list(graph.nodes):
             stack = [path for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
             styled = next((p for p in stack if self.plan.style_of(p) in _REPLICATED_OUTPUT), None)
             if styled is not None:
@@ -260,24 +290,21 @@ class TensorParallel:
                 if outside:
                     _insert_after(graph, node, "_tp_replicated", outside)
         graph.lint()
-        copied.recompile()
-        return copied
+        parts = {"_tp_attributes": _Attributes(module), "_tp_replicated": _Replicated(self.mesh)}
+        return fx.GraphModule(parts, graph, class_name=type(module).__name__)
 
-    def tied_shards(self, ties: Sequence[tuple[int, Sequence[int]]]) -> TiedShards:
-        """The sum of tied weights' gradient shards over their holders (see
-        `TiedShards`), for `ties`: (node, holder pipeline ranks)."""
-        return TiedShards(self.root, ties)
+    def gradients(
+        self, stages: Mapping[int, torch.nn.Module], ties: Sequence[tuple[int, Sequence[int]]]
+    ) -> ShardedGrads:
+        """What becomes of the local `stages`' gradients in each step (see
+        `ShardedGrads`); `ties`: (node, holder pipeline ranks)."""
+        return ShardedGrads(self.root, stages, ties)
 
     def wrap(self, call: Callable[..., Any]) -> Callable[..., Any]:
         """A stage callable whose outputs are handed back replicated and local."""
-        mesh = self.mesh
 
         def local(value: Any) -> Any:
-            if isinstance(value, DTensor):
-                if any(not p.is_replicate() for p in value.placements):
-                    value = value.redistribute(mesh, [Replicate()])
-                return value.to_local()
-            return value
+            return replicated(value).to_local() if isinstance(value, DTensor) else value
 
         def run(*args: Any) -> Any:
             return pytree.tree_map(local, call(*args))
@@ -302,18 +329,35 @@ class _Replicated(torch.nn.Module):
         return value
 
 
-def _enters(node: fx.Node, module: fx.GraphModule) -> bool:
+def _enters(node: fx.Node) -> bool:
     """Whether `node` brings a tensor into the graph from outside any op on
-    DTensors: an input, a buffer or constant, an op that reads no tensor."""
+    DTensors: an input, or an op that reads no tensor (a causal mask)."""
     if not isinstance(node.meta.get("val"), torch.Tensor):
         return False
     if node.op == "placeholder":
         return True
-    if node.op == "get_attr":
-        return not isinstance(getattr(module, str(node.target), None), torch.nn.Parameter)
-    if node.op == "call_function":
-        return not node.all_input_nodes
-    return False
+    return node.op == "call_function" and not node.all_input_nodes
+
+
+def _attribute(module: torch.nn.Module, target: str) -> Any:
+    value: Any = module
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+class _Attributes(torch.nn.Module):
+    """The stage's attributes (parameters, buffers, constants) by path, read
+    at every call (not copied: another parallelism may swap them)."""
+
+    stage: torch.nn.Module
+
+    def __init__(self, stage: torch.nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "stage", stage)  # not a submodule: not owned
+
+    def forward(self, target: str) -> Any:
+        return _attribute(self.stage, target)
 
 
 def _insert_after(graph: fx.Graph, node: fx.Node, target: str, users: list[fx.Node]) -> None:
@@ -325,17 +369,33 @@ def _insert_after(graph: fx.Graph, node: fx.Node, target: str, users: list[fx.No
         user.replace_input_with(node, placed)
 
 
-class TiedShards:
-    """The pipeline's sum of a tied weight's gradients under tensor
-    parallelism: the copies' gradients are DTensors placed alike, so each
-    tp rank adds up its shards with the same tp coordinate's on the other
-    holder ranks (the executor exchanges plain tensors only). One process
-    group per tie and (dp, tp) coordinate, of the tie's holder ranks, made
-    by its members in the same order."""
+class ShardedGrads:
+    """What tensor parallelism does to a step's gradients.
 
-    def __init__(self, mesh: DeviceMesh, ties: Sequence[tuple[int, Sequence[int]]]) -> None:
+    1. Each DTensor gradient is placed as its parameter (autograd leaves a
+       replicated weight's gradient as partial sums where the activations
+       it met were sharded, which an optimizer, a norm or a data-parallel
+       average of local shards would misread): a stage's right before its
+       data-parallel reduction (`before`), every one after the schedule.
+    2. A tied weight's copies' gradients are summed over its holders: the
+       copies are DTensors placed alike, so each tp rank adds up its shards
+       with the same tp coordinate's on the other holder ranks (the executor
+       exchanges plain tensors only). One process group per tie and (dp,
+       tp) coordinate, of the tie's holder ranks, made by its members in the
+       same order.
+    """
+
+    def __init__(
+        self,
+        mesh: DeviceMesh,
+        stages: Mapping[int, torch.nn.Module],
+        ties: Sequence[tuple[int, Sequence[int]]],
+    ) -> None:
         """`ties`: (node, the pipeline ranks holding a copy) of each tie
         whose copies live on more than one pipeline rank."""
+        self._stages = {
+            s: [p for p in m.parameters() if isinstance(p, DTensor)] for s, m in stages.items()
+        }
         names = tuple(mesh.mesh_dim_names or ())
         grid = mesh.mesh.movedim(names.index("pp"), 0)
         per_pp = grid.reshape(grid.shape[0], -1)  # pp coordinate x the others
@@ -348,16 +408,37 @@ class TiedShards:
                     group = dist.new_group(ranks, use_local_synchronization=True)
                     self._groups[node] = group
 
-    def __bool__(self) -> bool:
-        return bool(self._groups)
+    def before(self, reduce: Callable[[int], None]) -> Callable[[int], None]:
+        """`reduce(stage)` (a data parallelism's) on gradients placed as
+        their parameters."""
+
+        def placed_then_reduced(stage: int) -> None:
+            _place(self._stages.get(stage, []))
+            reduce(stage)
+
+        return placed_then_reduced
 
     @torch.no_grad()
-    def reduce(self, params: Mapping[int, torch.nn.Parameter]) -> None:
-        """Sums each tie's gradient over its holders (after the schedule,
-        before data parallelism averages it)."""
+    def finish(self, tied: Mapping[int, torch.nn.Parameter]) -> None:
+        """After the schedule, before data parallelism's average of the tied
+        weights (the sums commute)."""
+        for params in self._stages.values():
+            _place(params)
         for node, group in self._groups.items():
-            param = params[node]
+            param = tied[node]
             if param.grad is None:  # a copy the step did not reach adds zeros
                 param.grad = torch.zeros_like(param)
             grad = param.grad
             dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
+
+
+@torch.no_grad()
+def _place(params: Sequence[torch.nn.Parameter]) -> None:
+    for param in params:
+        grad = param.grad
+        if (
+            isinstance(grad, DTensor)
+            and isinstance(param, DTensor)
+            and grad.placements != param.placements
+        ):
+            param.grad = grad.redistribute(param.device_mesh, param.placements)

@@ -84,7 +84,7 @@ class CompiledPipe:
         transport = options.transport
         self.rank: int = transport.rank
         # Under tensor parallelism the tied weights' gradients are DTensors,
-        # which the executor does not exchange: `parallel.tensor.TiedShards`
+        # which the executor does not exchange: `parallel.tensor.ShardedGrads`
         # sums their shards after the schedule instead.
         graph = pipe if options.tensor is None else untied(pipe)
         self.program: Program = compile_schedule(

@@ -115,7 +115,13 @@ def clip_grad_norm(
     for g in grads:
         if isinstance(g, DTensor):
             names = g.device_mesh.mesh_dim_names or ()
-            dims = tuple(names[i] for i, p in enumerate(g.placements) if p.is_shard())
+            # Sharded: any placement but a copy or a partial sum (FSDP's
+            # strided shards over a tp shard too).
+            dims = tuple(
+                names[i]
+                for i, p in enumerate(g.placements)
+                if not (p.is_replicate() or p.is_partial())
+            )
             sharded.setdefault(dims, []).append(g)
     whole = sharded.pop((), [])
     local = reduce([g for g in grads if not isinstance(g, DTensor)] + [g.to_local() for g in whole])

@@ -141,7 +141,8 @@ class PipelineRunner:
         self._weights = Weights(pipe, first, self._collective, dp_group, opts.bucket_bytes)
         self._weights.start_replicas()
         self._collective.first_call_hook = self._weights.first_call
-        self._ties = tensor.tied_shards(self._weights.tie_holders()) if tensor else None
+        modules = {s: first.stages.modules[s] for s in first.local_stages}
+        self._grads = tensor.gradients(modules, self._weights.tie_holders()) if tensor else None
         self._dp = wrap(
             mode,
             mesh,
@@ -176,7 +177,8 @@ class PipelineRunner:
         """
         batch = self._batch(args, kwargs, target, "step")
         with self._collective.call("step", batch=batch.fingerprint):
-            compiled, dp = batch.per_mb[0], self._dp
+            compiled, dp, grads = batch.per_mb[0], self._dp, self._grads
+            reduce = None if dp is None else dp.reduce_grads
             step = Step(inputs=batch.inputs, targets=batch.targets)
             batch.prepare(step, dp, self.local_stages)
             fns = Training([c.stages for c in batch.per_mb], step)
@@ -186,14 +188,14 @@ class PipelineRunner:
                     fns.input_grad,
                     fns.weight_grad,
                     shapes=batch.shapes,
-                    stage_done=None if dp is None else dp.reduce_grads,
+                    stage_done=reduce if grads is None or reduce is None else grads.before(reduce),
                     unshard=None if dp is None else dp.unshard,
                     # Ranks as threads replay a recompute's random numbers
                     # from their own CPU generator (rank_rng.py).
                     replay_rng=not (rank_rng.in_rank_thread() and self.device.type == "cpu"),
                 )
-            if self._ties:
-                self._ties.reduce(self._first.tied_parameters)
+            if grads is not None:
+                grads.finish(self._first.tied_parameters)
             if dp is not None:
                 dp.finish()
             self.timeline = compiled.measured_timeline(self.num_ranks)
