@@ -28,7 +28,8 @@ consuming stage (the transport runs over the mesh's "pp" group of this
 rank's coordinates), so nothing is gathered or scattered on the way; the
 gradients come back the same way, and `from_local`'s backward makes a
 received value's gradient replicated before it is sent. Exactness: a
-sharded matmul's sums are added in another order (float64 agrees to ~1e-16).
+sharded matmul's sums are added in another order (float64 agrees to the
+last bits, where a model computes in float64 throughout).
 """
 
 from __future__ import annotations
