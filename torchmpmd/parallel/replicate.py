@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from ..schedule.program import StageCollectives
 
-__all__ = ["Replicate"]
+__all__ = ["Replicate", "local_shard"]
 
 _P = TypeVar("_P", bound=torch.Tensor)
 
@@ -104,7 +104,9 @@ class Replicate:
             return
         for group in _buckets(params, self.bucket_bytes):
             parts = [
-                (_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p))).reshape(-1)
+                (
+                    local_shard(p.grad) if p.grad is not None else torch.zeros_like(local_shard(p))
+                ).reshape(-1)
                 for p in group
             ]
             flags = torch.tensor(
@@ -127,7 +129,7 @@ def broadcast_from_first(
         return
     src = dist.get_global_rank(group, 0)
     first = dist.get_rank(group) == 0
-    for bucket in _buckets([_local(t) for t in tensors], bucket_bytes):
+    for bucket in _buckets([local_shard(t) for t in tensors], bucket_bytes):
         flat = torch.cat([t.detach().reshape(-1) for t in bucket])
         dist.broadcast(flat, src=src, group=group)
         if first:
@@ -144,12 +146,12 @@ def _write_back(bucket: _Bucket, size: int) -> None:
     offset = 0
     with torch.no_grad():
         for p, flag in zip(bucket.params, flags.tolist(), strict=True):
-            local = _local(p)
+            local = local_shard(p)
             numel = local.numel()
             if flag:
                 mean = bucket.flat[offset : offset + numel].view_as(local) / size
                 if p.grad is not None:
-                    _local(p.grad).copy_(mean)
+                    local_shard(p.grad).copy_(mean)
                 elif isinstance(p, DTensor):
                     p.grad = DTensor.from_local(
                         mean.clone(), p.device_mesh, p.placements, run_check=False
@@ -159,7 +161,7 @@ def _write_back(bucket: _Bucket, size: int) -> None:
             offset += numel
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_shard(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's shard on this rank (tensor parallelism: the replicas of a
     tp coordinate hold the same shards), or the tensor itself."""
     return t.to_local() if isinstance(t, DTensor) else t
@@ -171,7 +173,7 @@ def _buckets(params: list[_P], bucket_bytes: int) -> list[list[_P]]:
     out: list[list[_P]] = []
     size = 0
     for p in params:
-        nbytes = _local(p).numel() * p.element_size()
+        nbytes = local_shard(p).numel() * p.element_size()
         last = out[-1] if out else None
         if (
             last is None

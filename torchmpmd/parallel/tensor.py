@@ -35,6 +35,7 @@ last bits, where a model computes in float64 throughout).
 from __future__ import annotations
 
 import copy
+import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from . import tensor_ops  # noqa: F401  (sharding strategies DTensor lacks)
+from .replicate import local_shard
 
 __all__ = ["STYLES", "ShardedGrads", "TensorParallel", "TensorPlan", "replicated"]
 
@@ -83,6 +85,7 @@ _REPLICATED_OUTPUT = {
 }
 
 
+@functools.cache
 def _pattern(key: str) -> re.Pattern[str]:
     """A plan key as a regular expression: `*` stands for one path component."""
     return re.compile(
@@ -216,12 +219,10 @@ class TensorParallel:
         stages: Mapping[int, torch.nn.Module],
         aliases: Mapping[str, list[str]],
         source: torch.nn.Module | None,
-    ) -> dict[str, Placement]:
+    ) -> None:
         """Makes every parameter of `stages` a DTensor placed as the plan
-        says (each tensor once, whatever names it has); returns the
-        placement of each parameter by its model name."""
+        says (each tensor once, whatever names it has)."""
         done: dict[int, torch.nn.Parameter] = {}
-        placed: dict[str, Placement] = {}
         for s, module in sorted(stages.items()):
             for name, param in list(module.named_parameters(remove_duplicate=False)):
                 if isinstance(param, DTensor):
@@ -249,9 +250,6 @@ class TensorParallel:
                 owner_path, _, leaf = name.rpartition(".")
                 owner = module.get_submodule(owner_path) if owner_path else module
                 setattr(owner, leaf, new)
-                for n in names:
-                    placed[n] = placement
-        return placed
 
     def rewrite(self, module: torch.nn.Module) -> fx.GraphModule:
         """The traced stage as its tp ranks run it: a copy (sharing its
@@ -429,8 +427,7 @@ class ShardedGrads:
             param = tied[node]
             if param.grad is None:  # a copy the step did not reach adds zeros
                 param.grad = torch.zeros_like(param)
-            grad = param.grad
-            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
+            dist.all_reduce(local_shard(param.grad), group=group)
 
 
 @torch.no_grad()

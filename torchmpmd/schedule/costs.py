@@ -24,6 +24,10 @@ PerStage = float | Sequence[float]
 # of `Costs` and the kinds they give.
 _OWN = [letter for letter, k in TABLE.items() if k.charged_as == letter]
 _FIELDS = {"F": "forward", "B": "backward", "I": "input_grad", "W": "weight_grad"}
+# The kinds computing a part of the backward (I, W) by their part, and the
+# one computing the whole (B).
+_PARTS = {TABLE[x].backward_parts: x for x in _OWN if 0 < TABLE[x].backward_parts < WHOLE_BACKWARD}
+_WHOLE = next((x for x in _OWN if TABLE[x].backward_parts == WHOLE_BACKWARD), None)
 
 
 def _per_stage(value: PerStage | None, n: int, name: str) -> list[float] | None:
@@ -43,23 +47,18 @@ def _derive(given: Mapping[str, float | None], stage: int) -> dict[str, float]:
     given kinds that make it up (I + W); one computing a part is the whole
     minus the given other part; otherwise the kind's table default (B = 2 F,
     I = W = B / 2)."""
-    parts = {
-        TABLE[letter].backward_parts: letter
-        for letter in _OWN
-        if 0 < TABLE[letter].backward_parts < WHOLE_BACKWARD
-    }
-    whole = next((x for x in _OWN if TABLE[x].backward_parts == WHOLE_BACKWARD), None)
     out: dict[str, float] = {}
     for letter in _OWN:
         kind = TABLE[letter]
         value = given.get(letter)
-        pieces = [given.get(p) for p in parts.values()]
-        if value is None and letter == whole and parts and None not in pieces:
-            value = sum(p for p in pieces if p is not None)
-        other = parts.get(WHOLE_BACKWARD ^ kind.backward_parts)
-        other_time = given.get(other) if other is not None and letter != whole else None
-        if value is None and whole in out and other_time is not None:
-            value = out[whole] - other_time
+        if value is None and letter == _WHOLE and _PARTS:
+            pieces = [given.get(p) for p in _PARTS.values()]
+            if None not in pieces:
+                value = sum(p for p in pieces if p is not None)
+        other = _PARTS.get(WHOLE_BACKWARD ^ kind.backward_parts)
+        other_time = given.get(other) if other is not None else None
+        if value is None and _WHOLE in out and other_time is not None:
+            value = out[_WHOLE] - other_time
         if value is None:
             if not kind.default_cost:
                 raise ValueError(
