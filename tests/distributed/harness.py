@@ -99,3 +99,32 @@ def check_all(results: list[RankResult]) -> list[Any]:
             "\n".join(f"--- rank {r.rank} (exit {r.exitcode}):\n{r.value}" for r in failed)
         )
     return [r.value for r in results]
+
+
+def whole_tensor(t: Any) -> Any:
+    """A whole tensor from a DTensor (an FSDP or tensor-parallel shard), or
+    the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def to_bytes(tensors: dict[str, Any]) -> bytes:
+    """Tensors as bytes (torch.save), exactly, to return from a rank: through
+    the result queue a tensor would need shared memory."""
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(tensors, buffer)
+    return buffer.getvalue()
+
+
+def from_bytes(data: bytes) -> dict[str, Any]:
+    """What `to_bytes` wrote."""
+    import io
+
+    import torch
+
+    return torch.load(io.BytesIO(data))

@@ -6,11 +6,9 @@ after loading equal those of a run that never changed layout (float64,
 
 from __future__ import annotations
 
-import io
-
 import torch
 import torch.distributed.checkpoint as dcp
-from harness import check_all, run_ranks
+from harness import check_all, from_bytes, run_ranks, to_bytes
 from models import CASES
 from pipeline_check import SPLITS
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -67,16 +65,14 @@ def pipeline_run(
             mpmd.checkpoint.save(
                 save_to, runner, opt, extra={"step": step + 1, "per_rank": {"rank": rank}}
             )
-    # Tensors cross the process boundary as bytes (torch.save), exactly.
-    buffer = io.BytesIO()
-    torch.save({k: v.clone() for k, v in runner.state_dict().items()}, buffer)
-    return {"losses": losses, "state": buffer.getvalue(), "stages": runner.local_stages}
+    state = to_bytes({k: v.clone() for k, v in runner.state_dict().items()})
+    return {"losses": losses, "state": state, "stages": runner.local_stages}
 
 
 def _merge(reports: list[dict]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for r in reports:
-        out.update(torch.load(io.BytesIO(r["state"])))
+        out.update(from_bytes(r["state"]))
     return out
 
 

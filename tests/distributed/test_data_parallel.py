@@ -8,7 +8,7 @@ gradient norm too."""
 from __future__ import annotations
 
 import torch
-from harness import check_all, run_ranks
+from harness import check_all, run_ranks, whole_tensor
 from models import CASES
 from pipeline_check import SPLITS
 
@@ -23,13 +23,6 @@ def _pipe(num_stages: int) -> mpmd.Pipe:
     case = CASES["gpt"]  # tied embedding and output layer, on different ranks
     (x,), _ = case.inputs(MICROBATCH)
     return mpmd.trace(case.model(torch.float64), (x,), **SPLITS["gpt"](num_stages))
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """A whole tensor from an FSDP shard (DTensor), or the tensor itself."""
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _own_sharding(stage: torch.nn.Module, dp_mesh) -> None:
@@ -97,12 +90,12 @@ def train_on_mesh(rank: int, world: int, combos: list[tuple[str, int, str, int]]
             torch.testing.assert_close(norm, ref_norm, rtol=1e-12, atol=1e-12, msg=what)
             for fqn, p in local.items():
                 torch.testing.assert_close(
-                    _full(p.grad), grads[fqn], rtol=1e-10, atol=1e-10, msg=f"{what}: {fqn}"
+                    whole_tensor(p.grad), grads[fqn], rtol=1e-10, atol=1e-10, msg=f"{what}: {fqn}"
                 )
             opt.step()
             for fqn, p in local.items():
                 torch.testing.assert_close(
-                    _full(p.detach()),
+                    whole_tensor(p.detach()),
                     reference.get_parameter(fqn).detach(),
                     rtol=1e-10,
                     atol=1e-10,

@@ -11,11 +11,10 @@ sharded parameters only."""
 from __future__ import annotations
 
 import copy
-import io
 
 import pytest
 import torch
-from harness import check_all, run_ranks
+from harness import check_all, from_bytes, run_ranks, to_bytes, whole_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchmpmd as mpmd
@@ -62,12 +61,6 @@ def _over(dim: str, p: torch.Tensor):
 def _sharded(placement) -> bool:
     """Shard, or FSDP's strided shard over a tp shard."""
     return not (placement.is_replicate() or placement.is_partial())
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 SPLITS = {2: ["model.layers.2"], 4: ["model.layers.1", "model.layers.2", "model.layers.3"]}
@@ -224,7 +217,7 @@ def model_on_pp_tp(
             torch.testing.assert_close(norm, ref_norm, **tol, msg=lambda m, msg=msg: f"{msg}: {m}")
             for fqn, p in local.items():
                 torch.testing.assert_close(
-                    _full(p.grad),
+                    whole_tensor(p.grad),
                     reference.get_parameter(fqn).grad,
                     **tol,
                     msg=lambda m, w=f"{msg}: {fqn}": f"{w}: {m}",
@@ -232,7 +225,7 @@ def model_on_pp_tp(
             opt.step()
             for fqn, p in local.items():
                 torch.testing.assert_close(
-                    _full(p.detach()),
+                    whole_tensor(p.detach()),
                     reference.get_parameter(fqn).detach(),
                     **tol,
                     msg=lambda m, w=f"{msg}: {fqn} after the step": f"{w}: {m}",
@@ -358,16 +351,15 @@ def train_and_checkpoint(rank: int, world: int, tp: int, load: str | None, save:
     idx, target = _tokens(2)
     loss = runner.step(idx, target=target).loss
     opt.step()
-    state = {k: _full(v.detach()) for k, v in runner.state_dict().items()}
-    buffer = io.BytesIO()  # tensors through the result queue would need shared memory
-    torch.save(state, buffer)
-    return float(loss), buffer.getvalue()
+    return float(loss), to_bytes(
+        {k: whole_tensor(v.detach()) for k, v in runner.state_dict().items()}
+    )
 
 
 def _gathered(results: list) -> tuple[float, dict[str, torch.Tensor]]:
     state: dict[str, torch.Tensor] = {}
     for _, part in results:
-        state.update(torch.load(io.BytesIO(part)))
+        state.update(from_bytes(part))
     return results[0][0], state
 
 
