@@ -134,9 +134,11 @@ def model_on_pp_tp(
     tied: bool = False,
     kind: str = "llama",
     data_parallel: str = "replicate",
+    plan: dict[str, str] | None = None,
 ) -> list[str]:
     """The model on a (pp 2[, dp], tp 2) mesh against the unpipelined model on
-    the whole batch; each data-parallel replica steps on its shard."""
+    the whole batch; each data-parallel replica steps on its shard. `plan`:
+    the user's tp plan (None: the model's own)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
@@ -162,7 +164,9 @@ def model_on_pp_tp(
             getattr(mpmd.schedules, schedule_name)(M),
             mesh=mesh,
             loss_fn=case.loss,
-            options=mpmd.RunnerOptions(timeout=60, data_parallel=data_parallel if dp > 1 else None),
+            options=mpmd.RunnerOptions(
+                timeout=60, data_parallel=data_parallel if dp > 1 else None, tp_plan=plan
+            ),
         )
         what = f"{schedule_name} rank {rank}"
         local = dict(runner.named_parameters())
@@ -278,12 +282,35 @@ def test_pipeline_times_data_times_tensor_parallel():
     assert all(len(r) == 1 for r in results), results
 
 
+# A user's plan for the bundled GPT: the model file's, and the tied
+# embedding and head split by vocabulary rows (both weights Shard(0)).
+GPT_PLAN = {
+    "blocks.*.attn.qkv": "colwise",
+    "blocks.*.attn.proj": "rowwise",
+    "blocks.*.mlp.0": "colwise",
+    "blocks.*.mlp.2": "rowwise",
+    "tok": "embedding_rowwise",
+    "head": "colwise_rep",
+}
+
+
+def test_fsdp_over_dp_on_top_of_tensor_parallel_stages():
+    # 8 processes: pp 2 x dp 2 x tp 2 with FSDP2 over dp on tp-sharded
+    # stages (2-D DTensor parameters: each rank holds a quarter of a
+    # projection), the GPT with a user plan, AdamW, at 1e-10.
+    results = check_all(
+        run_ranks(
+            model_on_pp_tp, 8, [("OneFOneB", 2)], 2, True, "gpt", "fsdp", GPT_PLAN, deadline=400
+        )
+    )
+    assert all(len(r) == 1 for r in results), results
+
+
 def refusals(rank: int, world: int) -> dict[str, str]:
     from torch.distributed.device_mesh import init_device_mesh
 
     pp_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     pp_dp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    dp_tp = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
     idx = torch.randint(0, VOCAB, (2, SEQ))
     untied = mpmd.trace(_llama(), (), {"input_ids": idx}, split_before=SPLITS[2])
     with torch.device("meta"):
@@ -292,7 +319,6 @@ def refusals(rank: int, world: int) -> dict[str, str]:
     cases = {
         "meta": (meta, pp_tp, None),
         "plan without tp": (untied, pp_dp, mpmd.RunnerOptions(tp_plan={"x": "colwise"})),
-        "fsdp and tp": (untied, dp_tp, mpmd.RunnerOptions(data_parallel="fsdp")),
         "compile": (untied, pp_tp, mpmd.RunnerOptions(compile=True)),
         "unknown style": (untied, pp_tp, mpmd.RunnerOptions(tp_plan={"lm_head": "isolated"})),
     }
@@ -309,7 +335,6 @@ def refusals(rank: int, world: int) -> dict[str, str]:
 def test_what_tensor_parallelism_does_not_run_yet_is_refused_before_anything_runs():
     for errors in check_all(run_ranks(refusals, 4, deadline=120)):
         assert "tp_plan needs a mesh with a 'tp' dimension" in errors["plan without tp"], errors
-        assert "with data_parallel='fsdp' is not supported yet" in errors["fsdp and tp"], errors
         assert "torch.compile of tensor-parallel stages" in errors["compile"], errors
         assert "'lm_head' has style 'isolated'" in errors["unknown style"], errors
         assert "built on the meta device is not supported yet" in errors["meta"], errors

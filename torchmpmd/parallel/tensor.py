@@ -37,7 +37,7 @@ from __future__ import annotations
 import copy
 import functools
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -392,9 +392,7 @@ class ShardedGrads:
     ) -> None:
         """`ties`: (node, the pipeline ranks holding a copy) of each tie
         whose copies live on more than one pipeline rank."""
-        self._stages = {
-            s: [p for p in m.parameters() if isinstance(p, DTensor)] for s, m in stages.items()
-        }
+        self._stages = dict(stages)
         names = tuple(mesh.mesh_dim_names or ())
         grid = mesh.mesh.movedim(names.index("pp"), 0)
         per_pp = grid.reshape(grid.shape[0], -1)  # pp coordinate x the others
@@ -412,7 +410,9 @@ class ShardedGrads:
         their parameters."""
 
         def placed_then_reduced(stage: int) -> None:
-            _place(self._stages.get(stage, []))
+            module = self._stages.get(stage)
+            if module is not None:
+                _place(module.parameters())
             reduce(stage)
 
         return placed_then_reduced
@@ -421,8 +421,8 @@ class ShardedGrads:
     def finish(self, tied: Mapping[int, torch.nn.Parameter]) -> None:
         """After the schedule, before data parallelism's average of the tied
         weights (the sums commute)."""
-        for params in self._stages.values():
-            _place(params)
+        for module in self._stages.values():
+            _place(module.parameters())
         for node, group in self._groups.items():
             param = tied[node]
             if param.grad is None:  # a copy the step did not reach adds zeros
@@ -431,7 +431,9 @@ class ShardedGrads:
 
 
 @torch.no_grad()
-def _place(params: Sequence[torch.nn.Parameter]) -> None:
+def _place(params: Iterable[torch.nn.Parameter]) -> None:
+    """Each DTensor gradient placed as its parameter (the parameters a stage
+    holds now: FSDP swaps in unsharded ones while a stage is gathered)."""
     for param in params:
         grad = param.grad
         if (

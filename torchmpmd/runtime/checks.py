@@ -173,12 +173,6 @@ def tensor_parallelism(
             )
         return None
     assert mesh is not None
-    if data_parallel not in (None, "replicate") and mesh["dp"].size() > 1:
-        raise ValueError(
-            f"PipelineRunner: tensor parallelism with data_parallel={data_parallel!r} is not "
-            "supported yet; replicate the stages over 'dp' (data_parallel='replicate', the "
-            "default) or use a ('pp', 'tp') mesh"
-        )
     eager = [s for s in range(pipe.num_stages) if not as_stage(pipe.stage(s)).traced]
     if eager:
         raise ValueError(
