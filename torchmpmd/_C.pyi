@@ -342,6 +342,8 @@ class runtime:
         rank: int
         step_start_unix_ns: int
         peak_held_bytes: int
+        sent_bytes: int
+        received_bytes: int
         def __init__(
             self,
             rank: int,

@@ -246,6 +246,12 @@ void bind_runtime(py::module_ m) {
           "peak_held_bytes", &Executor::peak_held_bytes,
           "The most bytes the last run held for backward at once, or -1 "
           "(not measured)")
+      .def_property_readonly(
+          "sent_bytes", &Executor::sent_bytes,
+          "The bytes the last run sent to its peers (every message)")
+      .def_property_readonly(
+          "received_bytes", &Executor::received_bytes,
+          "The bytes the last run received from its peers (every message)")
       .def(
           "records",
           [](const Executor& e) {
@@ -254,10 +260,9 @@ void bind_runtime(py::module_ m) {
                 out;
             for (const auto& r : e.records()) {
               const std::string kind =
-                  r.op == schedule::Op::kUnshard ? "unshard"
-                  : r.op == schedule::Op::kReduceGrads
-                      ? "reduce_grads"
-                      : std::string(1, schedule::kind_letter(r.task.kind));
+                  r.op == schedule::Op::kCompute
+                      ? std::string(1, schedule::kind_letter(r.task.kind))
+                      : std::string(schedule::collective_name(r.op));
               out.emplace_back(kind, r.task.stage, r.task.microbatch,
                                r.start_ns, r.end_ns, r.waited_ns, r.held_bytes,
                                r.kept_bytes);

@@ -281,6 +281,8 @@ void Executor::run(const StageFunctions& functions) {
                 " is split but no input/weight gradient functions were given");
   }
   peak_held_bytes_ = -1;
+  sent_bytes_ = 0;
+  received_bytes_ = 0;
   std::optional<HeldMemoryScope> measuring;
   if (options_.measure_memory) measuring.emplace(options_.device);
   State st;

@@ -154,6 +154,11 @@ class Executor {
   // or -1 if it was not measured (measure_memory off, or a profiler held
   // the allocator's reporting hook).
   int64_t peak_held_bytes() const { return peak_held_bytes_; }
+  // The bytes the last run sent to and received from its peers (every
+  // message: activations, gradients, tied gradients), counted as the
+  // messages were posted.
+  int64_t sent_bytes() const { return sent_bytes_; }
+  int64_t received_bytes() const { return received_bytes_; }
 
  private:
   struct State;
@@ -223,6 +228,8 @@ class Executor {
   std::vector<TaskRecord> records_;
   int64_t step_start_unix_ns_ = 0;
   int64_t peak_held_bytes_ = -1;
+  int64_t sent_bytes_ = 0;
+  int64_t received_bytes_ = 0;
 };
 
 }  // namespace torchmpmd::runtime

@@ -15,6 +15,7 @@ void Executor::post_recv(size_t index, State& st) {
         at::empty(shape_of(v.id, ins.microbatch, st),
                   at::TensorOptions().dtype(v.dtype).device(options_.device));
   }
+  received_bytes_ += static_cast<int64_t>(buffer.nbytes());
   State::Posted posted;
   posted.request = transport_->irecv(buffer, ins.peer, ins.tag);
   posted.buffer = buffer;
@@ -159,8 +160,10 @@ void Executor::send(const Instruction& ins, State& st) {
       break;
     }
   }
+  payload = payload.contiguous();
+  sent_bytes_ += static_cast<int64_t>(payload.nbytes());
   State::Sending sending;
-  sending.request = transport_->isend(payload.contiguous(), ins.peer, ins.tag);
+  sending.request = transport_->isend(payload, ins.peer, ins.tag);
   sending.index = static_cast<size_t>(&ins - code_.data());
   st.sends.push_back(std::move(sending));
 }

@@ -6,6 +6,10 @@
 
 namespace torchmpmd::schedule {
 
+const char* collective_name(Op op) {
+  return op == Op::kUnshard ? "unshard" : "reduce_grads";
+}
+
 std::string to_string(const Instruction& ins) {
   const char* what = ins.payload == Payload::kActivation ? "act"
                      : ins.payload == Payload::kGrad     ? "grad"

@@ -46,6 +46,10 @@ struct Instruction {
 
 std::string to_string(const Instruction& ins);
 
+// A data-parallel collective's name, as timelines label it: "unshard" or
+// "reduce_grads" (`op` is kUnshard or kReduceGrads).
+const char* collective_name(Op op);
+
 // Whether `user` (a compute or reduce instruction of a rank) reads what the
 // receive `recv` of the same rank delivers: an activation read by a kind
 // that reads activations (F) of a consumer stage, a gradient by a kind that

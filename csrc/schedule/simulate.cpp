@@ -28,7 +28,7 @@ Timeline simulate(const Program& program, const Costs& costs) {
     e.rank = r;
     e.task.stage = ins.value;
     e.task.microbatch = -1;
-    e.label = ins.op == Op::kUnshard ? "unshard" : "reduce_grads";
+    e.label = collective_name(ins.op);
     e.start = start;
     e.end = end;
     tl.events.push_back(e);

@@ -237,16 +237,38 @@ def model_on_pp_tp(
         if kind == "llama":
             # The plan shards the work, not only the memory: a forward
             # all-reduces after each row-parallel layer and gathers only the
-            # head's output; no weight is gathered.
+            # head's output; no weight is gathered. Under sequence
+            # parallelism each layer instead gathers the sequence twice
+            # (into attention and into the MLP) and reduce-scatters twice.
             with _Collectives() as comm:
                 runner.eval_step(*case.inputs(idx[shard])[0], **case.inputs(idx[shard])[1])
-            gathers = sum(n for op, n in comm.counts.items() if "all_gather" in op)
-            reduces = sum(n for op, n in comm.counts.items() if "all_reduce" in op)
             counts = dict(comm.counts)
+            gathers = sum(n for op, n in counts.items() if "all_gather" in op)
+            reduces = sum(n for op, n in counts.items() if "all_reduce" in op)
+            scatters = sum(n for op, n in counts.items() if "reduce_scatter" in op)
             layers = 4 * len(runner.local_stages) // num_stages  # of 4
-            assert gathers <= M, (what, counts)
-            assert reduces >= 2 * layers * M, (what, counts)
-        done.append(f"{schedule_name}: stages {runner.local_stages}")
+            if plan is not None and "sequence_parallel" in plan.values():
+                head = 2 if runner.rank == 1 else 0  # the head's input and output
+                assert gathers == (2 * layers + head) * M, (what, counts)
+                assert scatters >= 2 * layers * M and reduces == 0, (what, counts)
+            else:
+                assert gathers <= M, (what, counts)
+                assert reduces >= 2 * layers * M, (what, counts)
+        # The executor's own count of the last step's message bytes, what
+        # one microbatch's transfers hold whole, and the simulator's bytes.
+        timeline = runner.timeline
+        assert timeline is not None
+        predicted = runner.program.simulate()
+        done.append(
+            (
+                f"{schedule_name}: stages {runner.local_stages}",
+                timeline.sent_bytes[runner.rank],
+                timeline.received_bytes[runner.rank],
+                sum(t.spec.nbytes for t in pipe.transfers),
+                predicted.sent_bytes[runner.rank],
+                predicted.received_bytes[runner.rank],
+            )
+        )
     return done
 
 
@@ -275,13 +297,6 @@ def test_the_bundled_gpt_with_the_plan_in_its_model_file():
     assert all(len(r) == 1 for r in results), results
 
 
-def test_pipeline_times_data_times_tensor_parallel():
-    # 8 processes: pp 2 x dp 2 x tp 2, replicas averaging their sharded
-    # gradients over dp (each tp coordinate its own dp group), tied weights.
-    results = check_all(run_ranks(model_on_pp_tp, 8, [("OneFOneB", 2)], 2, True, deadline=400))
-    assert all(len(r) == 1 for r in results), results
-
-
 # A user's plan for the bundled GPT: the model file's, and the tied
 # embedding and head split by vocabulary rows (both weights Shard(0)).
 GPT_PLAN = {
@@ -292,6 +307,95 @@ GPT_PLAN = {
     "tok": "embedding_rowwise",
     "head": "colwise_rep",
 }
+
+
+# The Llama's own plan with Megatron's sequence parallelism: the norms run
+# on sequence shards, and the residual stream between layers (and between
+# stages) stays sharded along the sequence.
+LLAMA_SP_PLAN = {
+    "model.embed_tokens": "embedding_rowwise",
+    "model.layers.*.input_layernorm": "sequence_parallel",
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.post_attention_layernorm": "sequence_parallel",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+    "model.norm": "sequence_parallel",
+    "lm_head": "colwise_rep",
+}
+
+
+def test_sequence_parallel_sends_each_tp_rank_its_slice_of_the_activations():
+    # Same model and batch, the plan without and with sequence parallelism:
+    # both equal the unpipelined model; with it, the executor's counters
+    # show each tp rank sending and receiving half the bytes (its sequence
+    # slice of the hidden state and of its gradient), without it the whole,
+    # and the simulator charges what the executor sends.
+    whole = check_all(run_ranks(model_on_pp_tp, 4, [("OneFOneB", 2)], deadline=300))
+    sliced = check_all(
+        run_ranks(
+            model_on_pp_tp,
+            4,
+            [("OneFOneB", 2)],
+            1,
+            False,
+            "llama",
+            "replicate",
+            LLAMA_SP_PLAN,
+            deadline=300,
+        )
+    )
+    for rank, (full, sp) in enumerate(zip(whole, sliced, strict=True)):
+        (_, sent, received, per_mb, *predicted), (_, sp_sent, sp_received, _, *sp_predicted) = (
+            full[0],
+            sp[0],
+        )
+        # pp 2, 1F1B: stage 0 sends each microbatch's hidden state and
+        # receives its gradient; stage 1 the other way round.
+        assert sent == received == M * per_mb, (rank, sent, received, per_mb)
+        assert (sp_sent, sp_received) == (sent // 2, received // 2), (rank, sp_sent, sent)
+        assert predicted == [sent, received], (rank, predicted, sent)
+        assert sp_predicted == [sp_sent, sp_received], (rank, sp_predicted, sp_sent)
+
+
+# The GPT's user plan with its norms sequence-parallel.
+GPT_SP_PLAN = {
+    **GPT_PLAN,
+    "blocks.*.ln1": "sequence_parallel",
+    "blocks.*.ln2": "sequence_parallel",
+    "ln_f": "sequence_parallel",
+}
+
+
+def test_sequence_parallel_with_a_split_backward_and_two_stages_per_rank():
+    # The split backward's weight-gradient pass places the norms' partial
+    # gradients (all-reduces): every tp rank must issue them in one order.
+    results = check_all(
+        run_ranks(
+            model_on_pp_tp,
+            4,
+            [("ZeroBubbleH1", 2), ("Interleaved1F1B", 4)],
+            1,
+            True,
+            "gpt",
+            "replicate",
+            GPT_SP_PLAN,
+            deadline=300,
+        )
+    )
+    for r in results:
+        for _, sent, received, _, *predicted in r:
+            assert predicted == [sent, received], r  # the simulator charges what is sent
+
+
+def test_pipeline_times_data_times_tensor_parallel():
+    # 8 processes: pp 2 x dp 2 x tp 2, replicas averaging their sharded
+    # gradients over dp (each tp coordinate its own dp group), tied weights.
+    results = check_all(run_ranks(model_on_pp_tp, 8, [("OneFOneB", 2)], 2, True, deadline=400))
+    assert all(len(r) == 1 for r in results), results
 
 
 def test_fsdp_over_dp_on_top_of_tensor_parallel_stages():

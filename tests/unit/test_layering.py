@@ -17,7 +17,7 @@ ALLOWED = {
     "graph": set(),
     "schedule": {"graph"},
     "runtime": {"graph", "schedule", "parallel"},
-    "parallel": {"schedule"},
+    "parallel": {"graph", "schedule"},
     "planner": {"graph", "schedule"},
     "checkpoint": {"graph", "runtime"},
 }

@@ -48,10 +48,11 @@ import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
+from ..graph.pipe import StageSpec, TensorSpec
 from . import tensor_ops  # noqa: F401  (sharding strategies DTensor lacks)
 from .replicate import local_shard
 
-__all__ = ["STYLES", "ShardedGrads", "TensorParallel", "TensorPlan", "replicated"]
+__all__ = ["STYLES", "ShardedGrads", "TensorParallel", "TensorPlan", "placed", "replicated"]
 
 # Each style: the placement of a module's weight and of its other parameters
 # (bias), over the tp dimension; sequence_parallel and replicate keep the
@@ -82,6 +83,22 @@ _REPLICATED_OUTPUT = {
     "rowwise",
     "rowwise_rep",
     "embedding_rowwise",
+}
+
+
+# Under sequence parallelism (a plan with "sequence_parallel" modules, as
+# Megatron's): the styles whose module hands its output on sequence-sharded
+# instead (a reduce-scatter of a row-parallel layer's or a vocabulary-parallel
+# embedding's partial sums), and the placement a styled module's activation
+# inputs take where they enter it (torch's SequenceParallel and
+# ColwiseParallel(input_layouts=Shard(1)): norms on sequence shards, an
+# all-gather of the sequence into each column-parallel layer).
+_SEQUENCE_OUTPUT = {"rowwise", "embedding_rowwise"}
+_INPUT_PLACEMENT = {
+    "sequence_parallel": "_tp_enter_sequence",
+    "colwise": "_tp_enter_replicated",
+    "colwise_rep": "_tp_enter_replicated",
+    "colwise_gather_output": "_tp_enter_replicated",
 }
 
 
@@ -140,6 +157,12 @@ class TensorPlan:
             "mlp.up_proj': 'colwise', 'layers.*.mlp.down_proj': 'rowwise', ...})"
         )
 
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether the plan keeps the residual stream sharded along the
+        sequence (any module styled "sequence_parallel")."""
+        return any(style == "sequence_parallel" for _, style in self.rules)
+
     def style_of(self, module_path: str) -> str | None:
         for key, style in self.rules:
             if _pattern(key).fullmatch(module_path):
@@ -166,25 +189,32 @@ def replicated(value: Any) -> Any:
     both ways, as torch's tensor-parallel hooks make them (a gradient left
     partial cannot go back into a vocabulary-parallel embedding's masked
     sum)."""
+    return placed(value, Replicate())
+
+
+def placed(value: Any, placement: Placement) -> Any:
+    """`value` (a DTensor over a 1-D mesh) redistributed to `placement`, and
+    its gradient on the way back too (see `replicated`); anything else as it is."""
     if isinstance(value, DTensor):
-        return _ToReplicate.apply(value)  # type: ignore[no-untyped-call]
+        return _Place.apply(value, placement)  # type: ignore[no-untyped-call]
     return value
 
 
-def _all_replicate(value: DTensor) -> DTensor:
-    if all(p.is_replicate() for p in value.placements):
+def _redistribute(value: DTensor, placement: Placement) -> DTensor:
+    if all(p == placement for p in value.placements):
         return value
-    return value.redistribute(value.device_mesh, [Replicate()] * value.device_mesh.ndim)
+    return value.redistribute(value.device_mesh, [placement] * value.device_mesh.ndim)
 
 
-class _ToReplicate(torch.autograd.Function):
+class _Place(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, value: DTensor) -> DTensor:
-        return _all_replicate(value)
+    def forward(ctx: Any, value: DTensor, placement: Placement) -> DTensor:
+        ctx.placement = placement
+        return _redistribute(value, placement)
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
-        return _all_replicate(grad) if isinstance(grad, DTensor) else grad
+        return (_redistribute(grad, ctx.placement) if isinstance(grad, DTensor) else grad), None
 
 
 def _inside(node: fx.Node, path: str) -> bool:
@@ -251,7 +281,38 @@ class TensorParallel:
                 owner = module.get_submodule(owner_path) if owner_path else module
                 setattr(owner, leaf, new)
 
-    def rewrite(self, module: torch.nn.Module) -> fx.GraphModule:
+    def boundary(self, spec: TensorSpec) -> Placement:
+        """How a value that crosses stages travels between each tp rank pair:
+        under sequence parallelism a floating-point activation whose sequence
+        dimension (1, batch first) the tp ranks share evenly goes as each
+        rank's slice of it (`Shard(1)`); anything else whole (`Replicate`).
+        A function of the transfer's spec alone, so that the producing and
+        the consuming stage agree without a message."""
+        shape = spec.shape
+        if (
+            self.plan.sequence_parallel
+            and spec.dtype.is_floating_point
+            and len(shape) >= 2
+            and shape[1] >= self.size
+            and shape[1] % self.size == 0
+        ):
+            return Shard(1)
+        return Replicate()
+
+    def local_shape(self, spec: TensorSpec) -> list[int]:
+        """The shape of each tp rank's part of a transfer (`boundary`)."""
+        shape = list(spec.shape)
+        placement = self.boundary(spec)
+        if isinstance(placement, Shard):
+            shape[placement.dim] //= self.size
+        return shape
+
+    def rewrite(
+        self,
+        module: torch.nn.Module,
+        spec: StageSpec | None = None,
+        transfers: Mapping[int, TensorSpec] | None = None,
+    ) -> fx.GraphModule:
         """The traced stage as its tp ranks run it: a copy (sharing its
         parameters; the stage itself stays as traced, so every rank
         describes the same job) in which
@@ -260,12 +321,23 @@ class TensorParallel:
           received values, buffers, constants, tensors made from nothing,
           such as a causal mask) becomes a replicated DTensor, so that every
           op, in the forward and in autograd's backward, sees DTensors only;
+          a value received as sequence shards (`boundary`, from `spec`'s
+          received values and their `transfers` specs) becomes a DTensor
+          sharded along the sequence;
         - the values a styled module hands to the rest of the graph are
           redistributed as its style says (`_REPLICATED_OUTPUT`), where the
-          module ends.
+          module ends; under sequence parallelism row-parallel layers and
+          vocabulary-parallel embeddings hand them on sequence-sharded
+          (a reduce-scatter), and a module's inputs are placed as its style
+          needs where they enter it (`_INPUT_PLACEMENT`: sequence-parallel
+          modules (norms) take sequence shards, column-parallel layers the
+          whole sequence, an all-gather).
         """
         assert isinstance(module, fx.GraphModule), "tensor parallelism runs traced stages"
         graph = copy.deepcopy(module.graph)
+        sequence = self.plan.sequence_parallel
+        received = self._received(graph, spec, transfers or {})
+        attributes: set[fx.Node] = set()  # parameters, buffers, constants
         for node in list(graph.nodes):
             if node.op == "get_attr":
                 # Looked up on the stage at every call: a data parallelism
@@ -276,21 +348,71 @@ class TensorParallel:
                 looked_up.meta = dict(node.meta)
                 node.replace_all_uses_with(looked_up)
                 graph.erase_node(node)
+                attributes.add(looked_up)
                 parameter = isinstance(_attribute(module, target), torch.nn.Parameter)
                 if not parameter and isinstance(looked_up.meta.get("val"), torch.Tensor):
-                    _insert_after(graph, looked_up, "_tp_replicated", list(looked_up.users))
+                    attributes.add(
+                        _insert_after(graph, looked_up, "_tp_replicated", list(looked_up.users))
+                    )
             elif _enters(node):
-                _insert_after(graph, node, "_tp_replicated", list(node.users))
+                target = "_tp_sequence" if node in received else "_tp_replicated"
+                _insert_after(graph, node, target, list(node.users))
         for node in list(graph.nodes):
             stack = [path for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
             styled = next((p for p in stack if self.plan.style_of(p) in _REPLICATED_OUTPUT), None)
             if styled is not None:
                 outside = [u for u in node.users if not _inside(u, styled)]
                 if outside:
-                    _insert_after(graph, node, "_tp_replicated", outside)
+                    to_sequence = sequence and self.plan.style_of(styled) in _SEQUENCE_OUTPUT
+                    target = "_tp_sequence" if to_sequence else "_tp_replicated"
+                    _insert_after(graph, node, target, outside)
+        if sequence:
+            self._place_module_inputs(graph, attributes)
         graph.lint()
-        parts = {"_tp_attributes": _Attributes(module), "_tp_replicated": _Replicated(self.mesh)}
+        parts = {
+            "_tp_attributes": _Attributes(module),
+            "_tp_replicated": _Placed(self.mesh, Replicate()),
+            "_tp_sequence": _Placed(self.mesh, Shard(1)),
+            "_tp_enter_replicated": _Placed(self.mesh, Replicate(), both_ways=False),
+            "_tp_enter_sequence": _Placed(self.mesh, Shard(1), both_ways=False),
+        }
         return fx.GraphModule(parts, graph, class_name=type(module).__name__)
+
+    def _received(
+        self, graph: fx.Graph, spec: StageSpec | None, transfers: Mapping[int, TensorSpec]
+    ) -> set[fx.Node]:
+        """The placeholders of values received as sequence shards."""
+        if spec is None or not self.plan.sequence_parallel:
+            return set()
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        received = placeholders[spec.num_user_inputs :]
+        return {
+            node
+            for node, value in zip(received, spec.recv_values, strict=True)
+            if isinstance(self.boundary(transfers[value]), Shard)
+        }
+
+    def _place_module_inputs(self, graph: fx.Graph, attributes: set[fx.Node]) -> None:
+        """Where an activation (not one of the stage's `attributes`) enters a
+        module whose style places its inputs (`_INPUT_PLACEMENT`): one
+        redistribution per value and placement (q, k and v projections share
+        one all-gather of their input)."""
+        uses: dict[tuple[fx.Node, str], list[fx.Node]] = {}
+        for node in graph.nodes:
+            stack = [path for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
+            for path in stack:
+                target = _INPUT_PLACEMENT.get(self.plan.style_of(path) or "")
+                if target is None:
+                    continue
+                for value in node.all_input_nodes:
+                    if (
+                        value not in attributes
+                        and isinstance(value.meta.get("val"), torch.Tensor)
+                        and not _inside(value, path)
+                    ):
+                        uses.setdefault((value, target), []).append(node)
+        for (value, target), users in uses.items():
+            _insert_after(graph, value, target, users)
 
     def gradients(
         self, stages: Mapping[int, torch.nn.Module], ties: Sequence[tuple[int, Sequence[int]]]
@@ -299,32 +421,55 @@ class TensorParallel:
         `ShardedGrads`); `ties`: (node, holder pipeline ranks)."""
         return ShardedGrads(self.root, stages, ties)
 
-    def wrap(self, call: Callable[..., Any]) -> Callable[..., Any]:
-        """A stage callable whose outputs are handed back replicated and local."""
+    def wrap(
+        self,
+        call: Callable[..., Any],
+        spec: StageSpec | None = None,
+        transfers: Mapping[int, TensorSpec] | None = None,
+    ) -> Callable[..., Any]:
+        """A stage callable whose outputs are handed back as local tensors:
+        the values it sends placed as they travel (`boundary`: this rank's
+        sequence slice, or whole), the model's outputs replicated."""
+        sends = (
+            [self.boundary((transfers or {})[v]) for v in spec.send_values]
+            if spec is not None
+            else []
+        )
 
-        def local(value: Any) -> Any:
-            return replicated(value).to_local() if isinstance(value, DTensor) else value
+        def local(value: Any, placement: Placement) -> Any:
+            return placed(value, placement).to_local() if isinstance(value, DTensor) else value
 
         def run(*args: Any) -> Any:
-            return pytree.tree_map(local, call(*args))
+            out = call(*args)
+            if isinstance(out, (tuple, list)) and sends:
+                head = [local(v, p) for v, p in zip(out, sends, strict=False)]
+                tail = [
+                    pytree.tree_map(lambda v: local(v, Replicate()), v) for v in out[len(sends) :]
+                ]
+                return type(out)(head + tail)
+            return pytree.tree_map(lambda v: local(v, Replicate()), out)
 
         return run
 
 
-class _Replicated(torch.nn.Module):
-    """A plain tensor as a replicated DTensor over the tp mesh (differentiable:
-    its gradient comes back replicated and local); a DTensor redistributed
-    to replicated."""
+class _Placed(torch.nn.Module):
+    """A plain tensor as a DTensor over the tp mesh, this rank's part of a
+    value placed as `placement` (differentiable: its gradient comes back
+    placed alike, as a local tensor); a DTensor redistributed to
+    `placement`, its gradient too (`both_ways`, see `placed`) or as
+    DTensor's redistribution does (back to the placement it came in)."""
 
-    def __init__(self, mesh: DeviceMesh) -> None:
+    def __init__(self, mesh: DeviceMesh, placement: Placement, both_ways: bool = True) -> None:
         super().__init__()
-        self.mesh = mesh
+        self.mesh, self.placement, self.both_ways = mesh, placement, both_ways
 
     def forward(self, value: Any) -> Any:
         if isinstance(value, DTensor):
-            return replicated(value)
+            if self.both_ways:
+                return placed(value, self.placement)
+            return _redistribute(value, self.placement)
         if isinstance(value, torch.Tensor):
-            return DTensor.from_local(value, self.mesh, [Replicate()], run_check=False)
+            return DTensor.from_local(value, self.mesh, [self.placement], run_check=False)
         return value
 
 
@@ -359,13 +504,14 @@ class _Attributes(torch.nn.Module):
         return _attribute(self.stage, target)
 
 
-def _insert_after(graph: fx.Graph, node: fx.Node, target: str, users: list[fx.Node]) -> None:
+def _insert_after(graph: fx.Graph, node: fx.Node, target: str, users: list[fx.Node]) -> fx.Node:
     """Calls module `target` on `node`'s value, for `users`."""
     with graph.inserting_after(node):
         placed = graph.call_module(target, (node,))
     placed.meta = dict(node.meta)
     for user in users:
         user.replace_input_with(node, placed)
+    return placed
 
 
 class ShardedGrads:

@@ -125,7 +125,7 @@ class AutogradSplit:
             if params:
                 torch.autograd.backward(pending.roots, pending.root_grads, inputs=params)
             return
-        by_node = {_node(p): p for p in self._params}
+        nodes = [(p, _node(p)) for p in self._params]
         for group in pending.groups:
             edges, grads = [], []
             for branch, captured in group.grads.items():
@@ -140,9 +140,13 @@ class AutogradSplit:
                 b.register_prehook(lambda _g, kept=tuple(c): kept) for b, c in group.grads.items()
             ]
             try:
-                params = [by_node[n] for n in group.params]
+                # In the stage's parameter order, the same on every rank: placing
+                # a DTensor gradient below may be a collective (tp peers must
+                # issue them alike; a set's order follows object addresses).
+                ordered = [(p, n) for p, n in nodes if n in group.params]
+                params = [p for p, _ in ordered]
                 dws = torch.autograd.grad(
-                    edges, [GradientEdge(n, 0) for n in group.params], grads, allow_unused=True
+                    edges, [GradientEdge(n, 0) for _, n in ordered], grads, allow_unused=True
                 )
             finally:
                 for h in handles:

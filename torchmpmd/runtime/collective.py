@@ -15,6 +15,8 @@ whose call failed (here or on a peer) refuses every later call
 from __future__ import annotations
 
 import contextlib
+import datetime
+import hashlib
 import re
 from collections.abc import Callable, Iterator
 
@@ -27,7 +29,14 @@ from . import gloo_threads
 from .checkin import Call, check_in
 from .failures import first_line
 from .fingerprint import BatchPrint
-from .transport import FailureBoard, Transport, TransportError, c10d_transport
+from .transport import (
+    C10dTransport,
+    FailureBoard,
+    Transport,
+    TransportError,
+    _store_of,
+    c10d_transport,
+)
 
 __all__: list[str] = []
 
@@ -63,6 +72,9 @@ class Collective:
         self._dp_board: FailureBoard | None = None
         if dp_group is not None:
             self._dp_transport, self._dp_board = c10d_transport(dp_group)
+        # The mesh's "tp" group, whose collectives (DTensor's, inside a
+        # stage) wait for a tp peer at most `timeout` during a call.
+        self._tp_group: dist.ProcessGroup | None = _TP_GROUPS.pop(id(transport), None)
         # This rank in messages: its pipeline rank, and its global rank where
         # that differs (a mesh).
         self.name = f"rank {self.rank}"
@@ -99,6 +111,7 @@ class Collective:
         self.communicated = True
         for t, _ in self._transports():
             t.arm()
+        restore = self._bound_tp_waits()
         try:
             was_first = not self.first_done
             self._check_in(Call(self.calls, kind, options, batch))
@@ -110,8 +123,29 @@ class Collective:
             self._failed(kind, err)
             raise
         finally:
+            restore()
             for t, _ in self._transports():
                 t.disarm()
+
+    def _bound_tp_waits(self) -> Callable[[], None]:
+        """Gives the tp group's Gloo collectives the runner's timeout for the
+        call (a mesh's groups have torch's default, 30 minutes): a tp peer
+        that failed and lives on fails a DTensor collective waiting for it
+        within `timeout`. Returns what restores the group's own timeout."""
+        group = self._tp_group
+        if group is None or self._device.type != "cpu":
+            # NCCL's timeout aborts the process: not changed here.
+            return lambda: None
+        try:
+            backend = group._get_backend(torch.device("cpu"))
+            before = backend.options._timeout
+        except (AttributeError, RuntimeError):
+            return lambda: None
+        bound = datetime.timedelta(seconds=self.timeout)
+        if bound >= before:
+            return lambda: None
+        dist.distributed_c10d._set_pg_timeout(bound, group)
+        return lambda: dist.distributed_c10d._set_pg_timeout(before, group)
 
     def _failed(self, kind: str, err: BaseException) -> None:
         """Posts this rank's failure in call `kind`; raises what the caller
@@ -122,11 +156,17 @@ class Collective:
             # it (and then exited, closing its connections): its reason is
             # the cause.
             reason = next((b.peek() for _, b in self._transports() if b is not None), None)
-            if reason is not None and type(err) is PipelineError:
-                self.failed_first = False
-                failed = PipelineError(f"{err}. The cause, posted before: {reason}")
-                self._fail(f"{self.name} failed in {kind}: {failed}")
-                raise failed from err
+        if reason is not None and isinstance(err, PipelineError) and reason not in str(err):
+            # A task of this rank failed after a peer had: a tp peer's DTensor
+            # collective inside a stage fails (a Gloo timeout, a closed
+            # connection) where the executor's own waits stop naming the
+            # peer. The peer's failure is the cause.
+            self.failed_first = False
+            # After the first line (the executor's, before the traceback).
+            head, sep, rest = str(err).partition("\n")
+            failed = _same_kind(err, f"{head}. The cause, posted before: {reason}{sep}{rest}")
+            self._fail(f"{self.name} failed in {kind}: {first_line(failed)}")
+            raise failed from err
         # First to fail, or failing because a peer did?
         self.failed_first = reason is None
         if not isinstance(err, TransportError):
@@ -206,9 +246,11 @@ def connect(
     group, `group` or the world), the board its ranks post failures on, the
     process group it runs over (None for a transport of the user's own) and
     the data-parallel group (the mesh's "dp", if any)."""
-    dp_group = None
+    dp_group = tp_group = None
     if mesh is not None:
         group, dp_group = _mesh_groups(mesh, group, transport)
+        if "tp" in (mesh.mesh_dim_names or ()):
+            tp_group = mesh.get_group("tp")
     if transport is not None:
         if group is not None:
             raise ValueError("PipelineRunner: pass group or transport, not both")
@@ -226,8 +268,45 @@ def connect(
     group = group if group is not None else dist.group.WORLD
     if group is None:
         raise RuntimeError("PipelineRunner: torch.distributed has no default process group")
-    made, board = c10d_transport(group)
+    made, board = _mesh_transport(group, mesh) if mesh is not None else c10d_transport(group)
+    if tp_group is not None:
+        _TP_GROUPS[id(made)] = tp_group
     return made, board, group, dp_group
+
+
+# The tp group of the mesh each transport `connect` made was given, for
+# the Collective built over that transport (by id).
+_TP_GROUPS: dict[int, dist.ProcessGroup] = {}
+_mesh_transports_made: dict[str, int] = {}
+
+
+def _mesh_transport(
+    group: dist.ProcessGroup, mesh: DeviceMesh
+) -> tuple[C10dTransport, FailureBoard | None]:
+    """A transport over the mesh's "pp" `group` whose failure board is the
+    whole mesh's (a key of the world's store that every rank of the mesh
+    watches): a failure on one rank ends the waits of every rank of the
+    job at once, not only those of its pipeline group, and names it; its tp
+    peers and their pipelines included, which share no pipeline group
+    with it."""
+    store = _store_of(dist.group.WORLD) if dist.group.WORLD is not None else None
+    if store is None:
+        return c10d_transport(group)
+    ranks = ",".join(str(r) for r in mesh.mesh.flatten().tolist())
+    name = hashlib.sha1(ranks.encode()).hexdigest()[:16]
+    n = _mesh_transports_made.get(name, 0)
+    _mesh_transports_made[name] = n + 1
+    key = f"torchmpmd/failed/mesh-{name}/{n}"
+    return C10dTransport(group, store=store, key=key), FailureBoard(store, key)
+
+
+def _same_kind(err: BaseException, message: str) -> PipelineError:
+    """A PipelineError of `err`'s type (PipelineError[ValueError], ...) with `message`."""
+    try:
+        out = type(err)(message)
+    except TypeError:
+        out = PipelineError(message)
+    return out if isinstance(out, PipelineError) else PipelineError(message)
 
 
 def _mesh_groups(

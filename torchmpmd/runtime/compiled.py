@@ -15,6 +15,7 @@ shape keeps every program static.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -86,7 +87,7 @@ class CompiledPipe:
         # Under tensor parallelism the tied weights' gradients are DTensors,
         # which the executor does not exchange: `parallel.tensor.ShardedGrads`
         # sums their shards after the schedule instead.
-        graph = pipe if options.tensor is None else untied(pipe)
+        graph = pipe if options.tensor is None else untied(pipe, options.tensor)
         self.program: Program = compile_schedule(
             options.schedule, graph, transport.size, collectives=options.collectives
         )
@@ -120,8 +121,13 @@ class CompiledPipe:
         if tensor is not None:
             if shared is None:  # the others take its (sharded) parameters
                 tensor.shard(self.stages.modules, pipe.parameter_aliases, pipe.source)
-            modules = self.stages.modules
-            self.stages.wrap_forwards(lambda s, _: tensor.wrap(tensor.rewrite(modules[s])))
+            modules, specs = self.stages.modules, pipe.stage_specs
+            transfers = {t.value: t.spec for t in pipe.transfers}
+            self.stages.wrap_forwards(
+                lambda s, _: tensor.wrap(
+                    tensor.rewrite(modules[s], specs[s], transfers), specs[s], transfers
+                )
+            )
         if options.wrap_stage is not None:
             self.stages.wrap_forwards(functools.partial(options.wrap_stage, self.rank))
         # This rank's copy of each tied parameter it holds, by node id.
@@ -166,11 +172,18 @@ class CompiledPipe:
                 "at points that do not depend on the shapes, or pass a batch that divides into "
                 "equal microbatches"
             )
+        shape = self._shape
         return {
-            (t.value, mb): list(t.spec.shape)
+            (t.value, mb): shape(t.spec)
             for t, own in zip(other.pipe.transfers, self.pipe.transfers, strict=True)
-            if t.spec.shape != own.spec.shape
+            if shape(t.spec) != shape(own.spec)
         }
+
+    def _shape(self, spec: TensorSpec) -> list[int]:
+        """The shape of a transfer's messages: under tensor parallelism, this
+        tp rank's part of the value."""
+        tensor = self._options.tensor
+        return list(spec.shape) if tensor is None else tensor.local_shape(spec)
 
     def eval_executor(self) -> _C.runtime.Executor:
         """The forward-only executor (the schedule's F tasks), made on first use."""
@@ -215,13 +228,20 @@ class CompiledPipe:
         """This rank's timeline of the training executor's last run."""
         e = self.executor
         return from_records(
-            self.rank, num_ranks, e.records(), e.step_start_unix_ns, e.peak_held_bytes
+            self.rank,
+            num_ranks,
+            e.records(),
+            e.step_start_unix_ns,
+            e.peak_held_bytes,
+            (e.sent_bytes, e.received_bytes),
         )
 
     def _executor(self, program: Program, training: bool) -> _C.runtime.Executor:
         pipe, options = self.pipe, self._options
         values = [
-            _C.runtime.ValueInfo(t.value, t.name, list(t.spec.shape), t.spec.dtype, t.requires_grad)
+            _C.runtime.ValueInfo(
+                t.value, t.name, self._shape(t.spec), t.spec.dtype, t.requires_grad
+            )
             for t in pipe.transfers
         ]
         stages = [
@@ -249,9 +269,22 @@ class CompiledPipe:
         )
 
 
-def untied(pipe: Pipe) -> StageGraph:
-    """`pipe`'s stages and transfers without its tied groups."""
-    edges = tuple(Edge(e.value, e.src, e.dst, e.bytes, e.requires_grad) for e in pipe.plan.edges())
+def untied(pipe: Pipe, tensor: TensorParallel) -> StageGraph:
+    """`pipe`'s stages and transfers without its tied groups, each transfer
+    with the bytes one tp rank sends (`TensorParallel.boundary`), which the
+    simulator charges."""
+    specs = {t.value: t.spec for t in pipe.transfers}
+
+    def nbytes(value: int, whole: int) -> int:
+        spec = specs.get(value)
+        if spec is None:
+            return whole
+        return math.prod(tensor.local_shape(spec)) * spec.dtype.itemsize
+
+    edges = tuple(
+        Edge(e.value, e.src, e.dst, nbytes(e.value, e.bytes), e.requires_grad)
+        for e in pipe.plan.edges()
+    )
     return StageGraph(pipe.num_stages, edges)
 
 

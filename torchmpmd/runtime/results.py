@@ -164,11 +164,12 @@ def gather_timeline(
         raise RuntimeError("gather_timeline: run a step first")
     # Measured events are tasks and data-parallel collectives.
     kinds = [*_C.schedule.TaskKind.__members__, *COLLECTIVES]
-    peak = timeline.peak_activation_bytes[collective.rank]
+    me = collective.rank
+    totals = [timeline.peak_activation_bytes[me], *_messages(timeline, me)]
     # float64 holds nanosecond times and byte counts (< 2**53) exactly; the
-    # first row carries the rank's peak.
+    # first row carries the rank's peak and message bytes.
     rows = torch.tensor(
-        [[peak, 0, 0, 0, 0, 0, 0]]
+        [[*totals, 0, 0, 0, 0]]
         + [
             [kinds.index(e.kind), e.stage, e.microbatch, e.start, e.end, e.held_bytes, e.kept_bytes]
             for e in timeline.events
@@ -184,5 +185,12 @@ def gather_timeline(
         for rank, part in enumerate(parts)
         for k, s, mb, start, end, h, b in part[1:]
     ]
-    peaks = [int(part[0][0]) for part in parts]
-    return Timeline(num_ranks, events, "measured", "s", peaks)
+    peaks, sent, received = ([int(part[0][i]) for part in parts] for i in range(3))
+    return Timeline(num_ranks, events, "measured", "s", peaks, [], sent, received)
+
+
+def _messages(timeline: Timeline, rank: int) -> tuple[int, int]:
+    """`rank`'s sent and received bytes in `timeline` (-1: not known)."""
+    if not timeline.sent_bytes:
+        return -1, -1
+    return timeline.sent_bytes[rank], timeline.received_bytes[rank]

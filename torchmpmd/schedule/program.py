@@ -190,7 +190,22 @@ class Program:
         """Predicts the step: when each task runs on each rank, step time, bubble
         fraction and peak activation memory per rank (see `Costs`)."""
         costs = costs if costs is not None else Costs()
-        return timeline_from_native(self._simulated(costs), costs.unit)
+        timeline = timeline_from_native(self._simulated(costs), costs.unit)
+        timeline.sent_bytes, timeline.received_bytes = self.message_bytes()
+        return timeline
+
+    def message_bytes(self) -> tuple[list[int], list[int]]:
+        """Per rank, the bytes of the step's messages it sends and receives
+        (activations, gradients, tied gradients)."""
+        op = _C.schedule.Op
+        sent, received = [0] * self.num_ranks, [0] * self.num_ranks
+        for r in range(self.num_ranks):
+            for i in self._instructions(r):
+                if i.op == op.send:
+                    sent[r] += i.bytes
+                elif i.op == op.recv:
+                    received[r] += i.bytes
+        return sent, received
 
     def predict(self, costs: Costs | None = None) -> Prediction:
         """`simulate`'s step time and peak activation bytes alone (no events

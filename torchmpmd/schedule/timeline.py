@@ -88,6 +88,11 @@ class Timeline:
     # Per rank, activations plus unsharded parameters (simulated with
     # Costs.unsharded_bytes; empty: not known).
     peak_bytes: list[int] = field(default_factory=list)
+    # Per rank, the bytes of every message it sent and received in the step
+    # (the program's sends and receives when simulated; the executor's own
+    # counters when measured, -1 for a rank not measured; empty: not known).
+    sent_bytes: list[int] = field(default_factory=list)
+    received_bytes: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.num_ranks, bool) or not isinstance(self.num_ranks, int):
@@ -236,6 +241,7 @@ def from_records(
     records: Sequence[tuple[str, int, int, int, int, int, int, int]],
     step_start_unix_ns: int = 0,
     peak_held_bytes: int = -1,
+    message_bytes: tuple[int, int] = (-1, -1),
 ) -> Timeline:
     """A measured timeline of one rank from the executor's task records
     (nanoseconds since the step started), in seconds since the Unix epoch so
@@ -247,6 +253,7 @@ def from_records(
         )
         for kind, stage, mb, start, end, _waited, held, kept in records
     ]
-    peaks = [-1] * num_ranks
+    peaks, sent, received = [-1] * num_ranks, [-1] * num_ranks, [-1] * num_ranks
     peaks[rank] = peak_held_bytes
-    return Timeline(num_ranks, events, "measured", "s", peaks)
+    sent[rank], received[rank] = message_bytes
+    return Timeline(num_ranks, events, "measured", "s", peaks, [], sent, received)
