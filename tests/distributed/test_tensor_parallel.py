@@ -83,6 +83,10 @@ class _Model:
         torch.manual_seed(0)
         return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, dim=32, heads=4, layers=4)).double()
 
+    def on_meta(self) -> torch.nn.Module:
+        with torch.device("meta"):
+            return self.build()
+
     def inputs(self, ids: torch.Tensor) -> tuple[tuple, dict]:
         return ((), {"input_ids": ids}) if self.kind == "llama" else ((ids,), {})
 
@@ -410,6 +414,77 @@ def test_fsdp_over_dp_on_top_of_tensor_parallel_stages():
     assert all(len(r) == 1 for r in results), results
 
 
+def meta_model_on_pp_tp(rank: int, world: int) -> str:
+    """The GPT built on the meta device, on pp 2 x tp 2: each rank allocates
+    only its stages' shards; load_state_dict fills them (a step equals the
+    unpipelined model's); init_weights draws them with the model's own init,
+    leaving the tp peers' replicated weights alike."""
+    from gpt import GPT
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    case = _Model("gpt", True)
+    reference = case.build()
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=g)
+    idx, target = tokens[:, :-1], tokens[:, 1:]
+    pipe = mpmd.trace(case.on_meta(), (idx[: ROWS // M].to("meta"),), split_before=case.split(2))
+    runner = mpmd.PipelineRunner(
+        pipe,
+        mpmd.schedules.OneFOneB(M),
+        mesh=mesh,
+        loss_fn=case.loss,
+        options=mpmd.RunnerOptions(timeout=60),
+    )
+    local = dict(runner.named_parameters())
+    assert not any(p.is_meta for p in local.values()), rank
+    held = sum(
+        p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in local.values()
+    )
+    expected = sum(p.numel() / (2 if _over("tp", p).is_shard() else 1) for p in local.values())
+    assert held <= 1.1 * expected, (rank, held, expected)
+    try:
+        runner.step(idx, target=target)
+        raise AssertionError("a step on unwritten shards ran")
+    except RuntimeError as err:
+        assert "allocated but never written" in str(err), err
+
+    runner.load_state_dict(reference.state_dict())
+    out = runner.step(idx, target=target)
+    losses = []
+    for xb, yb in zip(idx.chunk(M), target.chunk(M), strict=True):
+        loss = case.loss(reference(xb), yb)
+        (loss / M).backward()
+        losses.append(loss.detach())
+    tol = case.tolerance()
+    torch.testing.assert_close(out.loss, torch.stack(losses).mean(), **tol)
+    for fqn, p in local.items():
+        torch.testing.assert_close(
+            whole_tensor(p.grad), reference.get_parameter(fqn).grad, **tol, msg=fqn
+        )
+
+    # Each rank draws from its own seed: without the runner's sync, the
+    # replicated position embedding would differ between tp peers.
+    torch.manual_seed(100 + rank)
+    runner.init_weights(GPT.init_weights)
+    pos = local.get("pos.weight")  # stage 0's: the tp peers of pp rank 0
+    if pos is not None:
+        mine = pos.to_local() if isinstance(pos, DTensor) else pos.detach()
+        parts = [torch.empty_like(mine) for _ in range(2)]
+        torch.distributed.all_gather(parts, mine.contiguous(), group=mesh["tp"].get_group())
+        assert torch.equal(parts[0], parts[1]), rank
+        assert 0.005 < float(mine.std()) < 0.05, float(mine.std())  # the model's init, drawn
+    out = runner.step(idx, target=target)
+    assert torch.isfinite(out.loss), out.loss
+    return f"stages {runner.local_stages}"
+
+
+def test_a_meta_device_model_allocates_only_its_shards():
+    results = check_all(run_ranks(meta_model_on_pp_tp, 4, deadline=300))
+    assert len(results) == 4, results
+
+
 def refusals(rank: int, world: int) -> dict[str, str]:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -417,11 +492,7 @@ def refusals(rank: int, world: int) -> dict[str, str]:
     pp_dp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     idx = torch.randint(0, VOCAB, (2, SEQ))
     untied = mpmd.trace(_llama(), (), {"input_ids": idx}, split_before=SPLITS[2])
-    with torch.device("meta"):
-        on_meta = _llama()
-    meta = mpmd.trace(on_meta, (), {"input_ids": idx.to("meta")}, split_before=SPLITS[2])
     cases = {
-        "meta": (meta, pp_tp, None),
         "plan without tp": (untied, pp_dp, mpmd.RunnerOptions(tp_plan={"x": "colwise"})),
         "compile": (untied, pp_tp, mpmd.RunnerOptions(compile=True)),
         "unknown style": (untied, pp_tp, mpmd.RunnerOptions(tp_plan={"lm_head": "isolated"})),
@@ -441,7 +512,6 @@ def test_what_tensor_parallelism_does_not_run_yet_is_refused_before_anything_run
         assert "tp_plan needs a mesh with a 'tp' dimension" in errors["plan without tp"], errors
         assert "torch.compile of tensor-parallel stages" in errors["compile"], errors
         assert "'lm_head' has style 'isolated'" in errors["unknown style"], errors
-        assert "built on the meta device is not supported yet" in errors["meta"], errors
 
 
 def _tokens(step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -274,7 +274,13 @@ class TensorParallel:
                     )
                 new = done.get(id(param))
                 if new is None:
-                    dt = distribute_tensor(param.detach(), self.mesh, [placement])
+                    # A meta tensor is cut without a message (each rank
+                    # its own shard, allocated later); a real one is tp
+                    # rank 0's, scattered.
+                    source = None if param.is_meta else 0
+                    dt = distribute_tensor(
+                        param.detach(), self.mesh, [placement], src_data_rank=source
+                    )
                     new = torch.nn.Parameter(dt, requires_grad=param.requires_grad)
                     done[id(param)] = new
                 owner_path, _, leaf = name.rpartition(".")

@@ -179,11 +179,6 @@ def tensor_parallelism(
             f"PipelineRunner: tensor parallelism of stages cut by hand (mpmd.from_stages: "
             f"stages {eager}) is not supported yet; trace the model with mpmd.trace"
         )
-    if any(p.is_meta for _, p in pipe.named_parameters()):
-        raise ValueError(
-            "PipelineRunner: tensor parallelism of a model built on the meta device is not "
-            "supported yet; build the model on a real device"
-        )
     if compiled:
         raise ValueError(
             "PipelineRunner: torch.compile of tensor-parallel stages is not supported yet; "

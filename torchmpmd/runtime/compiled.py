@@ -106,6 +106,13 @@ class CompiledPipe:
         }
         if shared is not None:
             _take_state(pipe, shared, self.local_stages)
+        self.tensor = options.tensor
+        if self.tensor is not None and shared is None:
+            # A model on the meta device: each rank allocates only its
+            # shards (LocalStages allocates what is still meta).
+            meta = {s: pipe.stage(s) for s in self.local_stages}
+            if any(p.is_meta for m in meta.values() for p in m.parameters()):
+                self.tensor.shard(meta, pipe.parameter_aliases, pipe.source)
         self.stages = LocalStages(
             pipe,
             self.local_stages,

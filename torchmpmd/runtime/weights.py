@@ -51,6 +51,9 @@ class Weights:
         self._bucket_bytes = bucket_bytes
         self.rank = first.rank
         self.local_stages = first.local_stages
+        # Tensor parallelism: the tp peers' replicated tensors start equal.
+        tp = first.tensor
+        self._tp_group = tp.mesh.get_group() if tp is not None and tp.size > 1 else None
 
     @property
     def _modules(self) -> list[torch.nn.Module]:
@@ -173,9 +176,16 @@ class Weights:
         buffers to its replicas. Collective whenever a tie spans ranks or
         there are replicas (the same on every rank), so every rank checks in.
         """
-        if not self._ties_across_ranks() and self._dp_group is None:
+        if not self._ties_across_ranks() and self._dp_group is None and self._tp_group is None:
             return
         with self._collective.call(call), torch.no_grad():
+            if self._tp_group is not None:
+                # An init drawn on each tp rank (its own generator) must
+                # leave the replicated tensors (norms, biases) alike.
+                with self._first.stages.allocation.copies_only():
+                    broadcast_from_first(
+                        self._tp_group, self._replicated_over_tp(), self._bucket_bytes
+                    )
             self.send_ties()
             if self._dp_group is not None:
                 # FSDP shards have one holder each: nothing to make equal.
@@ -183,6 +193,19 @@ class Weights:
                 # A tensor dp rank 0 left unwritten is garbage on every replica alike.
                 with self._first.stages.allocation.copies_only():
                     broadcast_from_first(self._dp_group, tensors, self._bucket_bytes)
+
+    def _replicated_over_tp(self) -> list[torch.Tensor]:
+        """The local tensors every tp peer holds whole: plain ones (buffers)
+        and DTensors replicated over "tp" (their local part, FSDP's shard
+        over dp included)."""
+        out = []
+        for t in self.local_state():
+            if isinstance(t, DTensor):
+                names = t.device_mesh.mesh_dim_names or ()
+                if "tp" in names and not t.placements[names.index("tp")].is_replicate():
+                    continue
+            out.append(t)
+        return out
 
     def tie_holders(self) -> list[tuple[int, list[int]]]:
         """(node, holder ranks) of each tie whose copies live on more than
