@@ -277,9 +277,9 @@ class TensorParallel:
                     # A meta tensor is cut without a message (each rank
                     # its own shard, allocated later); a real one is tp
                     # rank 0's, scattered.
-                    source = None if param.is_meta else 0
+                    first = None if param.is_meta else 0
                     dt = distribute_tensor(
-                        param.detach(), self.mesh, [placement], src_data_rank=source
+                        param.detach(), self.mesh, [placement], src_data_rank=first
                     )
                     new = torch.nn.Parameter(dt, requires_grad=param.requires_grad)
                     done[id(param)] = new
