@@ -485,6 +485,105 @@ def test_a_meta_device_model_allocates_only_its_shards():
     assert len(results) == 4, results
 
 
+class _Block(torch.nn.Module):
+    """A pre-norm residual MLP, as a user writes one."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim)
+        self.up = torch.nn.Linear(dim, 4 * dim)
+        self.down = torch.nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 32)
+        self.blocks = torch.nn.ModuleList(_Block(32) for _ in range(2))
+        self.head = torch.nn.Linear(32, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _megatron_mlps(stage: torch.nn.Module, stage_mesh) -> None:
+    """The user's own tensor parallelism for a stage cut by hand: torch's
+    ColwiseParallel / RowwiseParallel on each MLP."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plan = {}
+    for name, _ in stage.named_modules():
+        if name.endswith("up"):
+            plan[name] = ColwiseParallel()
+        elif name.endswith("down"):
+            plan[name] = RowwiseParallel()
+    parallelize_module(stage, stage_mesh["tp"], plan)
+
+
+def hand_cut_stages_on_pp_tp(rank: int, world: int) -> list[str]:
+    """Stages cut by hand (mpmd.from_stages) with the user's own DTensor
+    code (`parallelize`), against the unpipelined model."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=g)
+    idx, target = tokens[:, :-1], tokens[:, 1:]
+    done = []
+    for schedule_name in ("OneFOneB", "ZeroBubbleH1"):
+        torch.manual_seed(0)
+        reference = _Net().double()
+        net = copy.deepcopy(reference)
+        stages = [
+            torch.nn.Sequential(net.embed, net.blocks[0]),
+            torch.nn.Sequential(net.blocks[1], net.head),
+        ]
+        pipe = mpmd.from_stages(stages, (idx[: ROWS // M],), model=net)
+        runner = mpmd.PipelineRunner(
+            pipe,
+            getattr(mpmd.schedules, schedule_name)(M),
+            mesh=mesh,
+            loss_fn=_Model("gpt", False).loss,
+            options=mpmd.RunnerOptions(timeout=60, parallelize=_megatron_mlps),
+        )
+        local = dict(runner.named_parameters())
+        ups = [n for n in local if n.endswith("up.weight")]
+        assert ups and all(_over("tp", local[n]) == Shard(0) for n in ups), (rank, local)
+        losses = []
+        for xb, yb in zip(idx.chunk(M), target.chunk(M), strict=True):
+            loss = _Model("gpt", False).loss(reference(xb), yb)
+            (loss / M).backward()
+            losses.append(loss.detach())
+        out = runner.step(idx, target=target)
+        tol = {"rtol": 1e-10, "atol": 1e-10}
+        torch.testing.assert_close(out.loss, torch.stack(losses).mean(), **tol)
+        for fqn, p in local.items():
+            torch.testing.assert_close(
+                whole_tensor(p.grad),
+                reference.get_parameter(fqn).grad,
+                **tol,
+                msg=lambda m, w=f"{schedule_name} rank {rank}: {fqn}": f"{w}: {m}",
+            )
+        done.append(schedule_name)
+    return done
+
+
+def test_stages_cut_by_hand_take_the_users_own_tensor_parallelism():
+    results = check_all(run_ranks(hand_cut_stages_on_pp_tp, 4, deadline=300))
+    assert all(r == ["OneFOneB", "ZeroBubbleH1"] for r in results), results
+
+
 def refusals(rank: int, world: int) -> dict[str, str]:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -492,7 +591,10 @@ def refusals(rank: int, world: int) -> dict[str, str]:
     pp_dp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     idx = torch.randint(0, VOCAB, (2, SEQ))
     untied = mpmd.trace(_llama(), (), {"input_ids": idx}, split_before=SPLITS[2])
+    net = _Net()
+    by_hand = mpmd.from_stages([net.embed, torch.nn.Sequential(*net.blocks, net.head)], (idx,))
     cases = {
+        "by hand": (by_hand, pp_tp, None),
         "plan without tp": (untied, pp_dp, mpmd.RunnerOptions(tp_plan={"x": "colwise"})),
         "compile": (untied, pp_tp, mpmd.RunnerOptions(compile=True)),
         "unknown style": (untied, pp_tp, mpmd.RunnerOptions(tp_plan={"lm_head": "isolated"})),
@@ -511,6 +613,8 @@ def test_what_tensor_parallelism_does_not_run_yet_is_refused_before_anything_run
     for errors in check_all(run_ranks(refusals, 4, deadline=120)):
         assert "tp_plan needs a mesh with a 'tp' dimension" in errors["plan without tp"], errors
         assert "torch.compile of tensor-parallel stages" in errors["compile"], errors
+        assert "stages [0, 1] were cut by hand" in errors["by hand"], errors
+        assert "parallelize=fn" in errors["by hand"], errors
         assert "'lm_head' has style 'isolated'" in errors["unknown style"], errors
 
 

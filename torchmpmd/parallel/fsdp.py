@@ -68,6 +68,8 @@ class Shard:
         for s, module in sorted(stages.items()):
             if parallelize is not None:
                 parallelize(module, dp_mesh)
+            elif isinstance(module, FSDPModule):
+                pass  # sharded already, by the user's parallelize with tensor parallelism
             else:
                 fully_shard(
                     module,

@@ -49,6 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from ..graph.pipe import StageSpec, TensorSpec
+from ..graph.stage import as_stage
 from . import tensor_ops  # noqa: F401  (sharding strategies DTensor lacks)
 from .replicate import local_shard
 
@@ -239,10 +240,29 @@ class TensorParallel:
     plan: TensorPlan
     mesh: DeviceMesh  # 1-D: "tp"
     root: DeviceMesh  # the runner's whole mesh ("pp", ["dp",] "tp")
+    # The user's fn(stage, stage_mesh) (RunnerOptions.parallelize), or None.
+    parallelize: Callable[[torch.nn.Module, DeviceMesh], object] | None = None
 
     @property
     def size(self) -> int:
         return int(self.mesh.size())
+
+    @property
+    def stage_mesh(self) -> DeviceMesh:
+        """The mesh a stage is parallel over: ("dp", "tp"), or "tp" alone."""
+        names = tuple(self.root.mesh_dim_names or ())
+        return self.root["dp", "tp"] if "dp" in names else self.mesh
+
+    def apply_parallelize(self, stages: Mapping[int, torch.nn.Module]) -> None:
+        """Calls the user's `parallelize(stage, stage_mesh)` on each stage (a
+        stage cut by hand as the user's own module, whose parameters the
+        runner then finds again), after the plan sharded the traced ones."""
+        if self.parallelize is None:
+            return
+        for _, module in sorted(stages.items()):
+            stage = as_stage(module)
+            self.parallelize(module if stage.traced else stage.state_root, self.stage_mesh)
+            stage.refresh_state()
 
     def shard(
         self,

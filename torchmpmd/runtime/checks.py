@@ -143,8 +143,11 @@ def data_parallel_mode(
         raise ValueError(
             f"data_parallel={mode!r}: use {' or '.join(repr(n) for n in parallel.names())}"
         )
-    if parallelize is not None and mode != "fsdp":
-        raise ValueError("parallelize= applies to data_parallel='fsdp'")
+    has_tp = mesh is not None and "tp" in tuple(mesh.mesh_dim_names or ())
+    if parallelize is not None and mode != "fsdp" and not has_tp:
+        raise ValueError(
+            "parallelize= applies to data_parallel='fsdp' and to meshes with a 'tp' dimension"
+        )
     if mode is not None and not has_dp:
         given = "none" if mesh is None else f"dimensions {tuple(mesh.mesh_dim_names or ())}"
         raise ValueError(
@@ -160,7 +163,7 @@ def tensor_parallelism(
     plan: Mapping[str, str] | None,
     pipe: Pipe,
     compiled: object,
-    data_parallel: str | None,
+    parallelize: Parallelize | None,
 ) -> TensorParallel | None:
     """The stages' tensor parallelism over the mesh's "tp" dimension (None:
     none), checked before anything is compiled or exchanged."""
@@ -174,17 +177,22 @@ def tensor_parallelism(
         return None
     assert mesh is not None
     eager = [s for s in range(pipe.num_stages) if not as_stage(pipe.stage(s)).traced]
-    if eager:
+    if eager and parallelize is None:
         raise ValueError(
-            f"PipelineRunner: tensor parallelism of stages cut by hand (mpmd.from_stages: "
-            f"stages {eager}) is not supported yet; trace the model with mpmd.trace"
+            f"PipelineRunner: stages {eager} were cut by hand (mpmd.from_stages), which a "
+            "tp_plan cannot reach (it shards traced stages); pass options=mpmd.RunnerOptions("
+            "parallelize=fn) with fn(stage, stage_mesh) applying your own tensor parallelism, "
+            "e.g. parallelize_module(stage, stage_mesh['tp'], {'mlp.up': ColwiseParallel(), "
+            "'mlp.down': RowwiseParallel()})"
         )
+    if len(eager) == pipe.num_stages:  # no traced stage: the plan is not needed
+        return TensorParallel(TensorPlan(()), mesh["tp"], mesh, parallelize)
     if compiled:
         raise ValueError(
             "PipelineRunner: torch.compile of tensor-parallel stages is not supported yet; "
             "leave RunnerOptions.compile off with a 'tp' mesh dimension"
         )
-    return TensorParallel(TensorPlan.for_model(plan, pipe.source), mesh["tp"], mesh)
+    return TensorParallel(TensorPlan.for_model(plan, pipe.source), mesh["tp"], mesh, parallelize)
 
 
 def check_dtypes(pipe: Pipe, flat: list[Any]) -> None:

@@ -24,6 +24,7 @@ import torch
 
 from .. import _C
 from ..graph.pipe import Pipe, TensorSpec
+from ..graph.stage import as_stage
 from ..parallel.tensor import TensorParallel
 from ..schedule.kinds import recomputes, splits_backward
 from ..schedule.program import Edge, Program, StageCollectives, StageGraph, compile_schedule
@@ -126,13 +127,18 @@ class CompiledPipe:
         )
         tensor = options.tensor
         if tensor is not None:
-            if shared is None:  # the others take its (sharded) parameters
-                tensor.shard(self.stages.modules, pipe.parameter_aliases, pipe.source)
             modules, specs = self.stages.modules, pipe.stage_specs
+            traced = {s: m for s, m in modules.items() if as_stage(m).traced}
+            if shared is None:  # the others take its (sharded) parameters
+                tensor.shard(traced, pipe.parameter_aliases, pipe.source)
+                tensor.apply_parallelize(modules)
             transfers = {t.value: t.spec for t in pipe.transfers}
+            # A stage cut by hand runs the user's tensor parallelism as it is.
             self.stages.wrap_forwards(
-                lambda s, _: tensor.wrap(
-                    tensor.rewrite(modules[s], specs[s], transfers), specs[s], transfers
+                lambda s, call: tensor.wrap(
+                    tensor.rewrite(modules[s], specs[s], transfers) if s in traced else call,
+                    specs[s],
+                    transfers,
                 )
             )
         if options.wrap_stage is not None:

@@ -58,7 +58,14 @@ class RunnerOptions:
 
     parallelize: Parallelize | None = None
     """With `data_parallel="fsdp"`: your own `fn(stage, dp_mesh)` applying
-    `fully_shard` to a stage, instead of the default one call per stage."""
+    `fully_shard` to a stage, instead of the default one call per stage.
+    With a "tp" mesh dimension: `fn(stage, stage_mesh)` on each local stage,
+    `stage_mesh` being the mesh's ("dp", "tp") slice (or "tp" alone), after
+    the plan has sharded the traced stages: a stage cut by hand
+    (`mpmd.from_stages`; `stage` is your module) gets its tensor parallelism
+    here (`parallelize_module(stage, stage_mesh["tp"], {...:
+    ColwiseParallel(), ...})`); any stage may be `fully_shard`-ed over
+    `stage_mesh["dp"]` (else, with `data_parallel="fsdp"`, the runner does)."""
 
     tp_plan: Mapping[str, str] | None = None
     """With a mesh that has a "tp" dimension: which module's parameters are

@@ -90,7 +90,7 @@ class PipelineRunner:
         check_schedule(schedule, opts.recompute, pipe.num_stages)
         timeout = check_options(opts.timeout, opts.compile, opts.max_early_recvs)
         mode = data_parallel_mode(opts.data_parallel, opts.parallelize, mesh)
-        tensor = tensor_parallelism(mesh, opts.tp_plan, pipe, opts.compile, mode)
+        tensor = tensor_parallelism(mesh, opts.tp_plan, pipe, opts.compile, opts.parallelize)
         link, board, group, dp_group = connect(mesh, group, transport)
         full, selective = recompute_policy(opts.recompute, pipe.num_stages)
         if full:
@@ -149,7 +149,7 @@ class PipelineRunner:
             dp_group,
             {s: first.stages.modules[s] for s in first.local_stages},
             first.tied_parameters.values(),
-            opts.parallelize,
+            opts.parallelize if tensor is None else None,  # else called with the tp sharding
             opts.bucket_bytes,
         )
         if mode == "fsdp":  # the shards were cut from allocated garbage: still unwritten
