@@ -34,6 +34,27 @@ def _llama(tied: bool = False) -> torch.nn.Module:
     return hf_llama("sdpa", tie_word_embeddings=tied, use_cache=False).double()
 
 
+def _neox() -> torch.nn.Module:
+    # GPT-NeoX: Hugging Face's model with its own tp plan (config's
+    # base_model_tp_plan: packed q/k/v colwise, vocabulary-parallel input
+    # embedding) whose norms (nn.LayerNorm) and SDPA stay in float64.
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        use_cache=False,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    return GPTNeoXForCausalLM(config).double()
+
+
 class _Collectives(TorchDispatchMode):
     """Counts the collectives DTensor issues (c10d functional ops), by name."""
 
@@ -78,6 +99,8 @@ class _Model:
     def build(self) -> torch.nn.Module:
         if self.kind == "llama":
             return _llama(self.tied)
+        if self.kind == "neox":
+            return _neox()
         from gpt import GPT, GPTConfig
 
         torch.manual_seed(0)
@@ -87,18 +110,24 @@ class _Model:
         with torch.device("meta"):
             return self.build()
 
+    @property
+    def hf(self) -> bool:
+        return self.kind in ("llama", "neox")
+
     def inputs(self, ids: torch.Tensor) -> tuple[tuple, dict]:
-        return ((), {"input_ids": ids}) if self.kind == "llama" else ((ids,), {})
+        return ((), {"input_ids": ids}) if self.hf else ((ids,), {})
 
     def split(self, num_stages: int) -> list[str]:
         if self.kind == "llama":
             return SPLITS[num_stages]
+        if self.kind == "neox":
+            return [f"gpt_neox.layers.{4 * s // num_stages}" for s in range(1, num_stages)]
         return [f"blocks.{4 * s // num_stages}" for s in range(1, num_stages)]
 
     def loss(self, out, target):
         from gpt import lm_loss
 
-        return lm_loss(out.logits if self.kind == "llama" else out, target)
+        return lm_loss(out.logits if self.hf else out, target)
 
     def optimizer(self, params) -> torch.optim.Optimizer:
         # Adam divides by a gradient's magnitude, so a near-zero gradient's
@@ -109,7 +138,7 @@ class _Model:
         return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
 
     def tolerance(self) -> dict[str, float]:
-        """The GPT is float64 throughout: 1e-10. Hugging Face's Llama in
+        """The GPT and GPT-NeoX are float64 throughout: 1e-10. Hugging Face's Llama in
         float64 still takes its RMSNorm in float32 (`LlamaRMSNorm` casts to
         float32), which turns the last-bit differences of a sharded matmul's
         sums (the same sums added in another order) into differences of a
@@ -120,14 +149,10 @@ class _Model:
 
     # Parameters the plan shards by output (colwise) and by input (rowwise).
     def sharded_names(self) -> tuple[str, str]:
-        return (
-            ("q_proj.weight", "o_proj.weight")
-            if self.kind == "llama"
-            else (
-                "attn.qkv.weight",
-                "mlp.2.weight",
-            )
-        )
+        return {
+            "llama": ("q_proj.weight", "o_proj.weight"),
+            "neox": ("query_key_value.weight", "dense_4h_to_h.weight"),
+        }.get(self.kind, ("attn.qkv.weight", "mlp.2.weight"))
 
 
 def model_on_pp_tp(
@@ -290,6 +315,15 @@ def test_llama_with_its_own_tp_plan_matches_the_unpipelined_model(combos, tied):
     # their gradients shard by shard.
     results = check_all(run_ranks(model_on_pp_tp, 4, combos, 1, tied, deadline=300))
     assert all(len(r) == len(combos) for r in results), results
+
+
+def test_hugging_face_gpt_neox_with_its_own_tp_plan_at_1e_10():
+    # A Hugging Face model computing in float64 throughout (LayerNorm, SDPA)
+    # meets the 1e-10 target with the plan in its config; AdamW.
+    results = check_all(
+        run_ranks(model_on_pp_tp, 4, [("OneFOneB", 2)], 1, False, "neox", deadline=300)
+    )
+    assert all(len(r) == 1 for r in results), results
 
 
 def test_the_bundled_gpt_with_the_plan_in_its_model_file():
