@@ -86,7 +86,7 @@ class CompiledPipe:
         transport = options.transport
         self.rank: int = transport.rank
         # Under tensor parallelism the tied weights' gradients are DTensors,
-        # which the executor does not exchange: `parallel.tensor.ShardedGrads`
+        # which the executor does not exchange: `parallel.tensor_grads.ShardedGrads`
         # sums their shards after the schedule instead.
         graph = pipe if options.tensor is None else untied(pipe, options.tensor)
         self.program: Program = compile_schedule(

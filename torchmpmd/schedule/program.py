@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .. import _C
+from ..graph.format import human_bytes, table
 from ..graph.pipe import Pipe
 from . import kinds
 from .costs import Costs, timeline_from_native
@@ -228,9 +229,14 @@ class Program:
         return _C.schedule.render_grid(self._native.spec, [])
 
     def __repr__(self) -> str:
+        sent, received = self.message_bytes()
+        rows = [(r, human_bytes(sent[r]), human_bytes(received[r])) for r in range(self.num_ranks)]
         return (
             f"Program({type(self.schedule).__name__}, {self.num_stages} stages on "
-            f"{self.num_ranks} ranks, {self.num_microbatches} microbatches)\n" + self.grid()
+            f"{self.num_ranks} ranks, {self.num_microbatches} microbatches)\n"
+            + self.grid().rstrip("\n")
+            + "\n\n"
+            + table("Messages per step (bytes per rank)", ["rank", "sent", "received"], rows)
         )
 
 
