@@ -54,6 +54,7 @@ class Collective:
         board: FailureBoard | None,
         *,
         dp_group: dist.ProcessGroup | None,
+        tp_group: dist.ProcessGroup | None = None,
         own_transport: bool,
         timeout: float,
         device: torch.device,
@@ -74,7 +75,7 @@ class Collective:
             self._dp_transport, self._dp_board = c10d_transport(dp_group)
         # The mesh's "tp" group, whose collectives (DTensor's, inside a
         # stage) wait for a tp peer at most `timeout` during a call.
-        self._tp_group: dist.ProcessGroup | None = _TP_GROUPS.pop(id(transport), None)
+        self._tp_group = tp_group
         # This rank in messages: its pipeline rank, and its global rank where
         # that differs (a mesh).
         self.name = f"rank {self.rank}"
@@ -142,10 +143,11 @@ class Collective:
         except (AttributeError, RuntimeError):
             return lambda: None
         bound = datetime.timedelta(seconds=self.timeout)
-        if bound >= before:
+        set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+        if bound >= before or set_timeout is None:
             return lambda: None
-        dist.distributed_c10d._set_pg_timeout(bound, group)
-        return lambda: dist.distributed_c10d._set_pg_timeout(before, group)
+        set_timeout(bound, group)
+        return lambda: set_timeout(before, group)
 
     def _failed(self, kind: str, err: BaseException) -> None:
         """Posts this rank's failure in call `kind`; raises what the caller
@@ -246,11 +248,9 @@ def connect(
     group, `group` or the world), the board its ranks post failures on, the
     process group it runs over (None for a transport of the user's own) and
     the data-parallel group (the mesh's "dp", if any)."""
-    dp_group = tp_group = None
+    dp_group = None
     if mesh is not None:
         group, dp_group = _mesh_groups(mesh, group, transport)
-        if "tp" in (mesh.mesh_dim_names or ()):
-            tp_group = mesh.get_group("tp")
     if transport is not None:
         if group is not None:
             raise ValueError("PipelineRunner: pass group or transport, not both")
@@ -269,14 +269,11 @@ def connect(
     if group is None:
         raise RuntimeError("PipelineRunner: torch.distributed has no default process group")
     made, board = _mesh_transport(group, mesh) if mesh is not None else c10d_transport(group)
-    if tp_group is not None:
-        _TP_GROUPS[id(made)] = tp_group
     return made, board, group, dp_group
 
 
-# The tp group of the mesh each transport `connect` made was given, for
-# the Collective built over that transport (by id).
-_TP_GROUPS: dict[int, dist.ProcessGroup] = {}
+# How many transports this process made per mesh (by its ranks): every rank
+# builds its runners in the same order, so the n-th has the same board key.
 _mesh_transports_made: dict[str, int] = {}
 
 

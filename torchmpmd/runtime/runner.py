@@ -133,6 +133,7 @@ class PipelineRunner:
             link,
             board,
             dp_group=dp_group,
+            tp_group=tensor.mesh.get_group() if tensor is not None else None,
             own_transport=transport is not None,
             timeout=timeout,
             device=self.device,
