@@ -21,15 +21,18 @@ layer's output gathered, a vocabulary-parallel embedding's masked sums
 reduced (as torch's and Hugging Face's module hooks do); a plain colwise
 layer's output stays sharded into the next op (attention heads).
 
-What crosses a stage boundary is replicated: a stage's outputs are
-redistributed to `Replicate` and handed to the executor as local tensors,
-and each tp rank sends its copy to the tp rank of the same coordinate on the
-consuming stage (the transport runs over the mesh's "pp" group of this
-rank's coordinates), so nothing is gathered or scattered on the way; the
-gradients come back the same way, and `from_local`'s backward makes a
-received value's gradient replicated before it is sent. Exactness: a
-sharded matmul's sums are added in another order (float64 agrees to the
-last bits, where a model computes in float64 throughout).
+What crosses a stage boundary goes from each tp rank to the tp rank of the
+same coordinate on the consuming stage (the transport runs over the mesh's
+"pp" group of this rank's coordinates), as its local part, so nothing is
+gathered or scattered on the way: whole (`Replicate`), or under sequence
+parallelism a floating activation as each rank's sequence slice
+(`TensorParallel.boundary`, a function of the transfer's spec, so both ends
+agree). The gradients come back the same way. Under sequence parallelism
+(a plan with "sequence_parallel" modules) the residual stream stays
+sharded along the sequence between layers, as Megatron's: row-parallel
+layers reduce-scatter, column-parallel layers gather their input.
+Exactness: a sharded matmul's sums are added in another order (float64
+agrees to the last bits, where a model computes in float64 throughout).
 """
 
 from __future__ import annotations
