@@ -16,7 +16,7 @@ import torch  # noqa: F401  (loads libtorch before the native core)
 
 from . import _C, checkpoint, schedules, viz
 from .graph import Pipe, from_stages, mark_stage_end
-from .planner import Balance, balance, trace
+from .planner import Balance, Plan, balance, plan, trace
 from .runtime import CpuTuning, PipelineRunner, RunnerOptions, StepOutput, tune_cpu
 from .schedule import (
     Costs,
@@ -42,6 +42,7 @@ __all__ = [
     "Pipe",
     "PipelineError",
     "PipelineRunner",
+    "Plan",
     "Program",
     "RunnerOptions",
     "Schedule",
@@ -56,6 +57,7 @@ __all__ = [
     "compile_schedule",
     "from_stages",
     "mark_stage_end",
+    "plan",
     "schedules",
     "trace",
     "tune_cpu",

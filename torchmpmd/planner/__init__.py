@@ -11,7 +11,9 @@ planner (a schedule chooser, a memory planner) would:
 - `splits.py` (`search`, `simulate`): the splits weighed on the simulator;
 - `results.py`: `Profile`, `StageCost`, `Balance`;
 - `balancer.py`: the entry point `balance` (rank 0 profiles, every rank gets
-  the result) and `mpmd.trace`, which takes `num_stages=N`.
+  the result) and `mpmd.trace`, which takes `num_stages=N`;
+- `plan.py`: `mpmd.plan`, the schedule, stages per rank, split and number
+  of microbatches weighed together.
 
 Units are timed boundary to boundary: a unit's forward runs from its forward
 pre-hook to the next unit's, so code between modules (a residual add, a
@@ -21,6 +23,7 @@ one unit's inputs to the gradient of the previous unit's inputs.
 """
 
 from .balancer import balance, trace
+from .plan import Candidate, Plan, plan
 from .profiler import profile
 from .results import Balance, Profile, StageCost, UnitTransfer
 from .splits import EXHAUSTIVE_LIMIT, search, simulate
@@ -28,10 +31,13 @@ from .splits import EXHAUSTIVE_LIMIT, search, simulate
 __all__ = [
     "EXHAUSTIVE_LIMIT",
     "Balance",
+    "Candidate",
+    "Plan",
     "Profile",
     "StageCost",
     "UnitTransfer",
     "balance",
+    "plan",
     "profile",
     "search",
     "simulate",

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -16,7 +16,7 @@ from .profiler import LossFn, profile
 from .results import Balance
 from .splits import check_limits, check_num_stages, resolve_schedule, search
 
-__all__ = ["balance", "trace"]
+__all__ = ["balance", "on_rank_zero", "trace"]
 
 
 def balance(
@@ -78,7 +78,7 @@ def balance(
             latency=latency,
         )
 
-    return _on_rank_zero(run)
+    return on_rank_zero(run)
 
 
 _ERRORS: dict[str, type[Exception]] = {
@@ -88,7 +88,10 @@ _ERRORS: dict[str, type[Exception]] = {
 }
 
 
-def _on_rank_zero(run: Callable[[], Balance]) -> Balance:
+_R = TypeVar("_R")
+
+
+def on_rank_zero(run: Callable[[], _R]) -> _R:
     """`run()` on rank 0 of the default process group, its result (or error) on every rank."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return run()
@@ -106,7 +109,7 @@ def _on_rank_zero(run: Callable[[], Balance]) -> Balance:
     outcome = box[0]
     if outcome[0] == "error":
         raise _ERRORS.get(outcome[1], RuntimeError)(f"{outcome[2]} (on rank 0)")
-    result: Balance = outcome[1]
+    result: _R = outcome[1]
     return result
 
 

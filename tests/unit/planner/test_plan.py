@@ -1,0 +1,120 @@
+"""`mpmd.plan`: the schedule, stages per rank, split and microbatches it
+chooses run (the runner takes them as they are and its step equals the
+unpipelined model's), the memory cap holds in simulation, the fastest
+candidate wins among those the simulator weighed, and a cap nothing fits is
+an error giving the smallest peak. Planning under torch.distributed gives
+every rank the same plan: tests/distributed/test_plan_ranks.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchmpmd as mpmd
+from torchmpmd.testing import LocalPipeline
+
+
+class _Uneven(torch.nn.Module):
+    """Residual MLP layers and a heavy head (an LM's shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+            for _ in range(6)
+        )
+        self.head = torch.nn.Linear(16, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(out, target)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return _Uneven().double()
+
+
+def _plan(**kwargs):
+    x = torch.randn(2, 16, dtype=torch.float64)
+    target = torch.randint(0, 256, (2,))
+    return mpmd.plan(_model(), (x,), 2, loss_fn=_loss, example_target=target, repeats=2, **kwargs)
+
+
+def test_the_plan_runs_as_given_and_equals_the_unpipelined_model():
+    found = _plan(batch_size=16)
+    assert isinstance(found.schedule, mpmd.Schedule)
+    assert found.num_microbatches == found.schedule.num_microbatches
+    assert 16 % found.num_microbatches == 0
+    model = _model()
+    reference = _model()
+    x = torch.randn(16, 16, dtype=torch.float64)
+    target = torch.randint(0, 256, (16,))
+    mb = 16 // found.num_microbatches
+    pipe = mpmd.trace(model, (x[:mb],), split_before=found.split_before)
+    assert pipe.num_stages == found.num_stages
+    local = LocalPipeline(pipe, found.schedule, found.num_ranks, loss_fn=_loss, timeout=60)
+    outs = local.step(x, target=target)
+    losses = []
+    m = found.num_microbatches
+    for xb, yb in zip(x.chunk(m), target.chunk(m), strict=True):
+        loss = _loss(reference(xb), yb)
+        (loss / m).backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(outs[0].loss, torch.stack(losses).mean(), rtol=1e-10, atol=1e-10)
+    seen = set()
+    for runner in local.runners:
+        for name, p in runner.named_parameters():
+            torch.testing.assert_close(
+                p.grad, reference.get_parameter(name).grad, rtol=1e-10, atol=1e-10, msg=name
+            )
+            seen.add(name)
+    assert seen == {n for n, _ in reference.named_parameters()}
+
+
+def test_the_plan_is_the_fastest_candidate_and_says_what_it_weighed():
+    found = _plan(batch_size=16)
+    weighed = [c for c in found.alternatives if c.schedule is not None]
+    names = {type(c.schedule).__name__ for c in weighed} | {type(found.schedule).__name__}
+    assert names == set(mpmd.schedules.__all__)
+    # Same global batch for all: the step times compare directly.
+    assert all(c.predicted_step_time >= found.predicted_step_time for c in weighed)
+    assert all("slower" in c.rejected for c in weighed)
+    # The plan's prediction is the simulator's for its pieces.
+    assert found.balance is not None
+    assert found.balance.predicted_step == found.predicted_step_time
+    text = repr(found)
+    assert "plan" in text and repr(found.schedule) in text
+
+
+def test_the_memory_cap_holds_in_simulation_and_a_cap_nothing_fits_is_an_error():
+    free = _plan(num_microbatches=8)
+    limit = 0.6 * max(free.predicted_peak_bytes)
+    capped = _plan(num_microbatches=8, memory_limit=limit)
+    assert max(capped.predicted_peak_bytes) <= limit
+    timeline = mpmd.planner.simulate(
+        capped.balance.profile,
+        capped.split_before,
+        schedule=capped.schedule,
+        num_ranks=capped.num_ranks,
+    )
+    assert max(timeline.peak_activation_bytes) <= limit
+    rejected = [c for c in capped.alternatives if c.schedule is None or "memory" in c.rejected]
+    assert rejected, capped  # GPipe keeps every microbatch: it cannot fit
+    with pytest.raises(ValueError, match="no candidate runs within memory_limit"):
+        _plan(num_microbatches=8, memory_limit=16)
+
+
+def test_bad_arguments_are_refused_before_profiling():
+    x = torch.randn(2, 16)
+    with pytest.raises(ValueError, match="num_ranks must be a positive int"):
+        mpmd.plan(_Uneven(), (x,), 0)
+    with pytest.raises(ValueError, match="does not divide"):
+        mpmd.plan(_Uneven(), (x,), 2, batch_size=10, num_microbatches=4)
+    with pytest.raises(TypeError, match="schedules must be Schedule classes"):
+        mpmd.plan(_Uneven(), (x,), 2, schedules=[mpmd.schedules.OneFOneB(4)])

@@ -1,0 +1,356 @@
+"""`mpmd.plan`: the schedule, stages per rank, split and number of
+microbatches with the shortest simulated step for a model on N ranks.
+
+The model is profiled once on one microbatch (`profile`, as `balance` does);
+every candidate is then weighed on the simulator alone: each built-in
+schedule (or the given ones), with one stage per rank or two where the
+schedule needs or allows them, at each number of microbatches the batch
+allows, is split by `search` (the best split for that schedule, within the
+memory limit). The fastest candidate is the plan; the others are kept,
+ranked, with why they lost.
+
+With `batch_size` (rows of the global batch) and no `num_microbatches`,
+each count `m` that divides the batch and keeps at least one microbatch in
+flight per rank (`num_ranks <= m <= 4 * num_ranks * stages per rank`) is
+tried, the profile's times, activations and transfers scaled by the
+microbatch's rows over the example's (linear: a model whose cost per row
+falls with the batch, as small matmuls do on a GPU, gets more microbatches
+than it should). Not searched yet: recompute per stage (`Plan.recompute` is
+None: none), and the split backward's own costs (I and W are derived from
+B, as the simulator's defaults do).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..graph.format import human_bytes, table
+from ..schedule import builtins
+from ..schedule.task import Schedule
+from .balancer import on_rank_zero
+from .profiler import LossFn, profile
+from .results import Balance, Profile, _seconds
+from .splits import check_limits, search
+
+__all__ = ["Candidate", "Plan", "plan"]
+
+# Schedules that need two stages per rank (V-shaped), and those that may
+# take two (looped).
+_TWO_PER_RANK = {"ZBV", "DualPipeV"}
+_LOOPED = {"Interleaved1F1B"}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Candidate:
+    """One schedule, stage count and microbatch count the planner weighed."""
+
+    name: str  # the schedule, as built: "OneFOneB(8)"
+    schedule: Schedule | None  # None: it could not be built
+    num_stages: int
+    num_microbatches: int
+    split_before: list[str]
+    predicted_step_time: float  # seconds, simulated (inf: did not run)
+    predicted_peak_bytes: list[int]  # per rank, simulated activations
+    rejected: str = ""  # why it is not the plan ("" for the plan)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """What `mpmd.plan` chose. Pass the pieces on as they are:
+
+    pipe = mpmd.trace(model, args, split_before=p.split_before)
+    runner = mpmd.PipelineRunner(pipe, p.schedule, ...)
+    """
+
+    schedule: Schedule
+    split_before: list[str]
+    num_microbatches: int
+    num_ranks: int
+    predicted_step_time: float
+    predicted_peak_bytes: list[int]
+    recompute: None = None  # not searched yet: no recompute
+    alternatives: tuple[Candidate, ...] = ()  # the others, fastest first
+    seconds_planning: float = field(default=0.0, compare=False)
+    balance: Balance | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.split_before) + 1
+
+    def __repr__(self) -> str:
+        rows = [
+            (
+                "plan",
+                repr(self.schedule),
+                self.num_stages,
+                self.num_microbatches,
+                _seconds(self.predicted_step_time),
+                ", ".join(human_bytes(b) for b in self.predicted_peak_bytes),
+                "",
+            )
+        ]
+        for c in self.alternatives:
+            rows.append(
+                (
+                    "",
+                    c.name,
+                    c.num_stages,
+                    c.num_microbatches,
+                    _seconds(c.predicted_step_time)
+                    if c.predicted_step_time < float("inf")
+                    else "-",
+                    ", ".join(human_bytes(b) for b in c.predicted_peak_bytes),
+                    c.rejected,
+                )
+            )
+        head = (
+            f"Plan: {self.schedule!r}, {self.num_stages} stages on {self.num_ranks} ranks, "
+            f"split_before={self.split_before} (planned in {self.seconds_planning:.1f} s)\n"
+        )
+        return head + table(
+            "candidates (simulated):",
+            ["", "schedule", "stages", "microbatches", "step", "peak per rank", "rejected"],
+            rows,
+        )
+
+
+def plan(
+    model: torch.nn.Module,
+    example_args: Any,
+    num_ranks: int,
+    *,
+    num_microbatches: int | None = None,
+    batch_size: int | None = None,
+    memory_limit: float | None = None,
+    loss_fn: LossFn | None = None,
+    example_target: Any = None,
+    example_kwargs: dict[str, Any] | None = None,
+    schedules: Sequence[type[Schedule]] | None = None,
+    bandwidth: float = 0.0,
+    latency: float = 0.0,
+    repeats: int = 5,
+) -> Plan:
+    """The fastest schedule, stages per rank, split and number of
+    microbatches for `model` on `num_ranks` ranks, on the simulator (see the
+    module docstring). `example_args` is one microbatch. `schedules`: the
+    schedule classes to weigh (default every built-in). `memory_limit`:
+    bytes of activations per rank; a candidate whose every split exceeds it
+    is rejected, and if every one does, the error gives the smallest peak.
+
+    Under torch.distributed (initialised, several processes), call it on
+    every rank: rank 0 profiles and searches, every rank gets its plan.
+    """
+    if not isinstance(num_ranks, int) or isinstance(num_ranks, bool) or num_ranks < 1:
+        raise ValueError(f"mpmd.plan: num_ranks must be a positive int, got {num_ranks!r}")
+    check_limits(memory_limit, bandwidth, latency)
+    classes = _classes(schedules)
+    counts = _counts(num_microbatches, batch_size, num_ranks)
+
+    def run() -> Plan:
+        start = time.perf_counter()
+        prof = profile(
+            model,
+            example_args,
+            example_kwargs,
+            min_units=2 * num_ranks,
+            repeats=repeats,
+            loss_fn=loss_fn,
+            example_target=example_target,
+        )
+        rows = _rows(example_args, example_kwargs)
+        found: list[tuple[Candidate, Balance | None]] = []
+        for cls in classes:
+            for stages in _stage_counts(cls, num_ranks):
+                for m in counts(stages):
+                    scaled = _scaled(prof, batch_size / m / rows if batch_size and rows else 1.0)
+                    found.append(
+                        _weigh(cls, stages, m, num_ranks, scaled, memory_limit, bandwidth, latency)
+                    )
+        ran = sorted(
+            (c for c in found if c[1] is not None),
+            key=lambda c: _per_row(c[0], batch_size),
+        )
+        if not ran:
+            raise ValueError(_nothing_fits(found, memory_limit))
+        best, balance = ran[0]
+        assert balance is not None and best.schedule is not None
+        slower = [
+            dataclasses.replace(c, rejected=f"{_per_row(c, batch_size) / fastest:.3f}x slower")
+            for c, _ in ran[1:]
+            if (fastest := _per_row(best, batch_size)) > 0
+        ]
+        others = slower + [c for c, b in found if b is None]
+        return Plan(
+            schedule=best.schedule,
+            split_before=best.split_before,
+            num_microbatches=best.num_microbatches,
+            num_ranks=num_ranks,
+            predicted_step_time=best.predicted_step_time,
+            predicted_peak_bytes=best.predicted_peak_bytes,
+            alternatives=tuple(others),
+            seconds_planning=time.perf_counter() - start,
+            balance=balance,
+        )
+
+    return on_rank_zero(run)
+
+
+def _classes(schedules: Sequence[type[Schedule]] | None) -> list[type[Schedule]]:
+    if schedules is None:
+        return [getattr(builtins, name) for name in _BUILTIN_ORDER]
+    out = []
+    for s in schedules:
+        if not (isinstance(s, type) and issubclass(s, Schedule)):
+            raise TypeError(
+                f"mpmd.plan: schedules must be Schedule classes (the planner chooses the number "
+                f"of microbatches), e.g. [mpmd.schedules.OneFOneB]; got {s!r}"
+            )
+        out.append(s)
+    if not out:
+        raise ValueError("mpmd.plan: schedules is empty; leave it out to weigh every built-in")
+    return out
+
+
+_BUILTIN_ORDER = (
+    "OneFOneB",
+    "GPipe",
+    "Eager1F1B",
+    "ZeroBubbleH1",
+    "Interleaved1F1B",
+    "ZBV",
+    "DualPipeV",
+)
+
+
+def _stage_counts(cls: type[Schedule], num_ranks: int) -> list[int]:
+    if cls.__name__ in _TWO_PER_RANK:
+        return [2 * num_ranks]
+    if cls.__name__ in _LOOPED:
+        return [2 * num_ranks]
+    return [num_ranks]
+
+
+def _counts(num_microbatches: int | None, batch_size: int | None, num_ranks: int) -> Any:
+    """stages -> the microbatch counts to try."""
+    if num_microbatches is not None:
+        if not isinstance(num_microbatches, int) or num_microbatches < 1:
+            raise ValueError(
+                f"mpmd.plan: num_microbatches must be a positive int, got {num_microbatches!r}"
+            )
+        if batch_size is not None and batch_size % num_microbatches:
+            raise ValueError(
+                f"mpmd.plan: batch_size={batch_size} does not divide into "
+                f"num_microbatches={num_microbatches}"
+            )
+        return lambda stages: [num_microbatches]
+    if batch_size is None:
+        return lambda stages: [2 * stages]
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"mpmd.plan: batch_size must be a positive int, got {batch_size!r}")
+
+    def counts(stages: int) -> list[int]:
+        top = 4 * stages
+        found = [m for m in range(num_ranks, top + 1) if batch_size % m == 0]
+        return found or [batch_size]
+
+    return counts
+
+
+def _rows(args: Any, kwargs: dict[str, Any] | None) -> int:
+    """Rows (dim 0) of the example microbatch's first tensor (0: unknown)."""
+    leaves = [*(args if isinstance(args, tuple) else (args,)), *(kwargs or {}).values()]
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    return 0
+
+
+def _scaled(prof: Profile, factor: float) -> Profile:
+    if factor == 1.0:
+        return prof
+    return dataclasses.replace(
+        prof,
+        forward=tuple(f * factor for f in prof.forward),
+        backward=tuple(b * factor for b in prof.backward),
+        activation_bytes=tuple(round(a * factor) for a in prof.activation_bytes),
+        transfers=tuple(
+            dataclasses.replace(t, bytes=round(t.bytes * factor)) for t in prof.transfers
+        ),
+    )
+
+
+def _weigh(
+    cls: type[Schedule],
+    stages: int,
+    m: int,
+    num_ranks: int,
+    prof: Profile,
+    memory_limit: float | None,
+    bandwidth: float,
+    latency: float,
+) -> tuple[Candidate, Balance | None]:
+    """The best split of `prof` for `cls(m)` on `stages` stages, or why none runs."""
+    try:
+        schedule = cls(m)
+    except (TypeError, ValueError) as err:
+        return _failed(cls, stages, m, f"{cls.__name__}({m}): {err}"), None
+    if stages > len(prof.units):
+        return _failed(cls, stages, m, f"the model has {len(prof.units)} units"), None
+    try:
+        found = search(
+            prof,
+            stages,
+            schedule=schedule,
+            num_ranks=num_ranks,
+            memory_limit=memory_limit,
+            bandwidth=bandwidth,
+            latency=latency,
+        )
+    except ValueError as err:
+        text = str(err).removeprefix("mpmd.balance: ")
+        return _failed(cls, stages, m, text.split("; ")[0]), None
+    return (
+        Candidate(
+            name=repr(schedule),
+            schedule=schedule,
+            num_stages=stages,
+            num_microbatches=m,
+            split_before=found.split_before,
+            predicted_step_time=found.predicted_step,
+            predicted_peak_bytes=list(found.peak_activation_bytes),
+        ),
+        found,
+    )
+
+
+def _failed(cls: type[Schedule], stages: int, m: int, why: str) -> Candidate:
+    return Candidate(
+        name=f"{cls.__name__}({m})",
+        schedule=None,
+        num_stages=stages,
+        num_microbatches=m,
+        split_before=[],
+        predicted_step_time=float("inf"),
+        predicted_peak_bytes=[],
+        rejected=why,
+    )
+
+
+def _per_row(c: Candidate, batch_size: int | None) -> float:
+    """A candidate's step time per global batch (the same batch for all when
+    `batch_size` is given; else per microbatch, so that counts compare)."""
+    if batch_size:
+        return c.predicted_step_time
+    return c.predicted_step_time / c.num_microbatches
+
+
+def _nothing_fits(found: list[tuple[Candidate, Balance | None]], limit: float | None) -> str:
+    reasons = "; ".join(f"{c.name} on {c.num_stages} stages: {c.rejected}" for c, _ in found)
+    what = f" within memory_limit={human_bytes(limit)}" if limit is not None else ""
+    return f"mpmd.plan: no candidate runs{what}: {reasons}"
