@@ -15,9 +15,12 @@ flight per rank (`num_ranks <= m <= 4 * num_ranks * stages per rank`) is
 tried, the profile's times, activations and transfers scaled by the
 microbatch's rows over the example's (linear: a model whose cost per row
 falls with the batch, as small matmuls do on a GPU, gets more microbatches
-than it should). Not searched yet: recompute per stage (`Plan.recompute` is
-None: none), and the split backward's own costs (I and W are derived from
-B, as the simulator's defaults do).
+than it should). Under a memory limit each candidate is also weighed with
+the stages of rank 0 and with every stage recomputed in full (R before each
+backward: `Plan.recompute`, for `RunnerOptions(recompute=...)`). Not
+searched yet: selective recompute, a recompute set per rank beyond those
+two, and the split backward's own costs (I and W are derived from B, as the
+simulator's defaults do).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class Candidate:
     split_before: list[str]
     predicted_step_time: float  # seconds, simulated (inf: did not run)
     predicted_peak_bytes: list[int]  # per rank, simulated activations
+    recompute: dict[int, str] = field(default_factory=dict)  # stage -> "full"
     rejected: str = ""  # why it is not the plan ("" for the plan)
 
 
@@ -74,7 +78,8 @@ class Plan:
     num_ranks: int
     predicted_step_time: float
     predicted_peak_bytes: list[int]
-    recompute: None = None  # not searched yet: no recompute
+    # RunnerOptions(recompute=...): stage -> "full" ({}: none).
+    recompute: dict[int, str] = field(default_factory=dict)
     alternatives: tuple[Candidate, ...] = ()  # the others, fastest first
     seconds_planning: float = field(default=0.0, compare=False)
     balance: Balance | None = field(default=None, repr=False, compare=False)
@@ -92,6 +97,7 @@ class Plan:
                 self.num_microbatches,
                 _seconds(self.predicted_step_time),
                 ", ".join(human_bytes(b) for b in self.predicted_peak_bytes),
+                _stages(self.recompute),
                 "",
             )
         ]
@@ -106,6 +112,7 @@ class Plan:
                     if c.predicted_step_time < float("inf")
                     else "-",
                     ", ".join(human_bytes(b) for b in c.predicted_peak_bytes),
+                    _stages(c.recompute),
                     c.rejected,
                 )
             )
@@ -115,7 +122,16 @@ class Plan:
         )
         return head + table(
             "candidates (simulated):",
-            ["", "schedule", "stages", "microbatches", "step", "peak per rank", "rejected"],
+            [
+                "",
+                "schedule",
+                "stages",
+                "microbatches",
+                "step",
+                "peak per rank",
+                "recompute",
+                "rejected",
+            ],
             rows,
         )
 
@@ -169,9 +185,18 @@ def plan(
             for stages in _stage_counts(cls, num_ranks):
                 for m in counts(stages):
                     scaled = _scaled(prof, batch_size / m / rows if batch_size and rows else 1.0)
-                    found.append(
-                        _weigh(cls, stages, m, num_ranks, scaled, memory_limit, bandwidth, latency)
-                    )
+                    for recompute in _policies(cls, stages, m, num_ranks, memory_limit):
+                        found.append(
+                            _weigh(
+                                cls,
+                                stages,
+                                m,
+                                num_ranks,
+                                scaled,
+                                recompute,
+                                (memory_limit, bandwidth, latency),
+                            )
+                        )
         ran = sorted(
             (c for c in found if c[1] is not None),
             key=lambda c: _per_row(c[0], batch_size),
@@ -191,6 +216,7 @@ def plan(
             split_before=best.split_before,
             num_microbatches=best.num_microbatches,
             num_ranks=num_ranks,
+            recompute=best.recompute,
             predicted_step_time=best.predicted_step_time,
             predicted_peak_bytes=best.predicted_peak_bytes,
             alternatives=tuple(others),
@@ -285,28 +311,48 @@ def _scaled(prof: Profile, factor: float) -> Profile:
     )
 
 
+def _policies(
+    cls: type[Schedule], stages: int, m: int, num_ranks: int, memory_limit: float | None
+) -> list[frozenset[int]]:
+    """The stages to recompute in full that are weighed: none; under a memory
+    limit also those of rank 0 (which holds the most microbatches in flight
+    in 1F1B-like schedules) and every stage."""
+    if memory_limit is None:
+        return [frozenset()]
+    try:
+        placement = cls(m).placement(stages, num_ranks)
+    except (TypeError, ValueError):
+        return [frozenset()]
+    first = frozenset(s for s in range(stages) if placement[s] == 0)
+    every = frozenset(range(stages))
+    return list(dict.fromkeys([frozenset(), first, every]))
+
+
 def _weigh(
     cls: type[Schedule],
     stages: int,
     m: int,
     num_ranks: int,
     prof: Profile,
-    memory_limit: float | None,
-    bandwidth: float,
-    latency: float,
+    recompute: frozenset[int],
+    limits: tuple[float | None, float, float],
 ) -> tuple[Candidate, Balance | None]:
-    """The best split of `prof` for `cls(m)` on `stages` stages, or why none runs."""
+    """The best split of `prof` for `cls(m)` on `stages` stages, recomputing
+    `recompute`, or why none runs."""
+    memory_limit, bandwidth, latency = limits
+    policy = dict.fromkeys(sorted(recompute), "full")
     try:
         schedule = cls(m)
+        simulated = schedule.with_recompute(recompute) if recompute else schedule
     except (TypeError, ValueError) as err:
-        return _failed(cls, stages, m, f"{cls.__name__}({m}): {err}"), None
+        return _failed(cls, stages, m, f"{cls.__name__}({m}): {err}", policy), None
     if stages > len(prof.units):
-        return _failed(cls, stages, m, f"the model has {len(prof.units)} units"), None
+        return _failed(cls, stages, m, f"the model has {len(prof.units)} units", policy), None
     try:
         found = search(
             prof,
             stages,
-            schedule=schedule,
+            schedule=simulated,
             num_ranks=num_ranks,
             memory_limit=memory_limit,
             bandwidth=bandwidth,
@@ -314,7 +360,7 @@ def _weigh(
         )
     except ValueError as err:
         text = str(err).removeprefix("mpmd.balance: ")
-        return _failed(cls, stages, m, text.split("; ")[0]), None
+        return _failed(cls, stages, m, text.split("; ")[0], policy), None
     return (
         Candidate(
             name=repr(schedule),
@@ -324,12 +370,15 @@ def _weigh(
             split_before=found.split_before,
             predicted_step_time=found.predicted_step,
             predicted_peak_bytes=list(found.peak_activation_bytes),
+            recompute=policy,
         ),
         found,
     )
 
 
-def _failed(cls: type[Schedule], stages: int, m: int, why: str) -> Candidate:
+def _failed(
+    cls: type[Schedule], stages: int, m: int, why: str, recompute: dict[int, str]
+) -> Candidate:
     return Candidate(
         name=f"{cls.__name__}({m})",
         schedule=None,
@@ -338,8 +387,13 @@ def _failed(cls: type[Schedule], stages: int, m: int, why: str) -> Candidate:
         split_before=[],
         predicted_step_time=float("inf"),
         predicted_peak_bytes=[],
+        recompute=recompute,
         rejected=why,
     )
+
+
+def _stages(recompute: dict[int, str]) -> str:
+    return ", ".join(str(s) for s in sorted(recompute)) or "-"
 
 
 def _per_row(c: Candidate, batch_size: int | None) -> float:

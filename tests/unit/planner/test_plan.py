@@ -97,17 +97,41 @@ def test_the_memory_cap_holds_in_simulation_and_a_cap_nothing_fits_is_an_error()
     limit = 0.6 * max(free.predicted_peak_bytes)
     capped = _plan(num_microbatches=8, memory_limit=limit)
     assert max(capped.predicted_peak_bytes) <= limit
+    schedule = capped.schedule
+    if capped.recompute:  # as the runner runs it: RunnerOptions(recompute=...)
+        schedule = schedule.with_recompute(capped.recompute)
     timeline = mpmd.planner.simulate(
-        capped.balance.profile,
-        capped.split_before,
-        schedule=capped.schedule,
-        num_ranks=capped.num_ranks,
+        capped.balance.profile, capped.split_before, schedule=schedule, num_ranks=capped.num_ranks
     )
     assert max(timeline.peak_activation_bytes) <= limit
     rejected = [c for c in capped.alternatives if c.schedule is None or "memory" in c.rejected]
     assert rejected, capped  # GPipe keeps every microbatch: it cannot fit
     with pytest.raises(ValueError, match="no candidate runs within memory_limit"):
         _plan(num_microbatches=8, memory_limit=16)
+
+
+def test_a_tight_cap_is_met_by_recomputing_and_the_runner_takes_the_policy():
+    free = _plan(num_microbatches=8)
+    limit = 0.3 * max(free.predicted_peak_bytes)
+    capped = _plan(num_microbatches=8, memory_limit=limit)
+    assert capped.recompute, capped  # no schedule fits without recomputing
+    assert set(capped.recompute.values()) == {"full"}
+    assert max(capped.predicted_peak_bytes) <= limit
+    # The runner takes the policy as it is; the step still equals the model.
+    model, reference = _model(), _model()
+    x = torch.randn(16, 16, dtype=torch.float64)
+    target = torch.randint(0, 256, (16,))
+    pipe = mpmd.trace(model, (x[:2],), split_before=capped.split_before)
+    local = LocalPipeline(
+        pipe,
+        capped.schedule,
+        capped.num_ranks,
+        options=mpmd.RunnerOptions(timeout=60, recompute=capped.recompute),
+        loss_fn=_loss,
+    )
+    outs = local.step(x, target=target)
+    losses = [_loss(reference(xb), yb) for xb, yb in zip(x.chunk(8), target.chunk(8), strict=True)]
+    torch.testing.assert_close(outs[0].loss, torch.stack(losses).mean(), rtol=1e-10, atol=1e-10)
 
 
 def test_bad_arguments_are_refused_before_profiling():
