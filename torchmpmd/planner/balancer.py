@@ -55,8 +55,11 @@ def balance(
         pipe = mpmd.trace(model, (x,), split_before=found.split_before)
     """
     num_stages = check_num_stages(num_stages)
-    resolve_schedule(schedule, num_stages, num_ranks)  # fail before profiling
+    resolved, lowering = resolve_schedule(schedule, num_stages, num_ranks)  # fail first
     check_limits(memory_limit, bandwidth, latency)
+    # A schedule with a split backward gets I and W timed apart from B.
+    tasks = resolved.tasks(num_stages, lowering.num_ranks, resolved.num_microbatches)
+    split = any(t.kind in ("I", "W") for rank in tasks for t in rank)
 
     def run() -> Balance:
         prof = profile(
@@ -67,6 +70,7 @@ def balance(
             repeats=repeats,
             loss_fn=loss_fn,
             example_target=example_target,
+            split_backward=split,
         )
         return search(
             prof,

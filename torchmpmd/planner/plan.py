@@ -17,10 +17,11 @@ microbatch's rows over the example's (linear: a model whose cost per row
 falls with the batch, as small matmuls do on a GPU, gets more microbatches
 than it should). Under a memory limit each candidate is also weighed with
 the stages of rank 0 and with every stage recomputed in full (R before each
-backward: `Plan.recompute`, for `RunnerOptions(recompute=...)`). Not
-searched yet: selective recompute, a recompute set per rank beyond those
-two, and the split backward's own costs (I and W are derived from B, as the
-simulator's defaults do).
+backward: `Plan.recompute`, for `RunnerOptions(recompute=...)`). When a
+weighed schedule splits its backward, the profile times each unit's I and W
+apart from its B (`split_profile`), so a zero-bubble schedule whose I + W
+costs more than the bubble it fills loses on the simulator. Not searched
+yet: selective recompute, a recompute set per rank beyond those two.
 """
 
 from __future__ import annotations
@@ -178,6 +179,7 @@ def plan(
             repeats=repeats,
             loss_fn=loss_fn,
             example_target=example_target,
+            split_backward=any(_splits_backward(cls) for cls in classes),
         )
         rows = _rows(example_args, example_kwargs)
         found: list[tuple[Candidate, Balance | None]] = []
@@ -254,6 +256,16 @@ _BUILTIN_ORDER = (
 )
 
 
+def _splits_backward(cls: type[Schedule]) -> bool:
+    """Whether `cls` runs I and W tasks (on 2 ranks, 4 microbatches)."""
+    stages = _stage_counts(cls, 2)[0]
+    try:
+        lists = cls(4).tasks(stages, 2, 4)
+    except (TypeError, ValueError):
+        return True  # cannot tell: measure
+    return any(t.kind in ("I", "W") for tasks in lists for t in tasks)
+
+
 def _stage_counts(cls: type[Schedule], num_ranks: int) -> list[int]:
     if cls.__name__ in _TWO_PER_RANK:
         return [2 * num_ranks]
@@ -305,6 +317,10 @@ def _scaled(prof: Profile, factor: float) -> Profile:
         forward=tuple(f * factor for f in prof.forward),
         backward=tuple(b * factor for b in prof.backward),
         activation_bytes=tuple(round(a * factor) for a in prof.activation_bytes),
+        input_grad=None if prof.input_grad is None else tuple(i * factor for i in prof.input_grad),
+        weight_grad=None
+        if prof.weight_grad is None
+        else tuple(w * factor for w in prof.weight_grad),
         transfers=tuple(
             dataclasses.replace(t, bytes=round(t.bytes * factor)) for t in prof.transfers
         ),

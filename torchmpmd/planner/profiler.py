@@ -18,7 +18,9 @@ import torch.utils._pytree as pytree
 from ..graph.frontend import _check_signature, trace
 from ..graph.inputs import example_inputs
 from ..graph.markers import _tracing
+from ..graph.pipe import Pipe
 from .results import Profile, UnitTransfer
+from .split_profile import split_ratios
 from .units import Recorder, candidate_units
 
 __all__ = ["LossFn", "profile"]
@@ -195,6 +197,7 @@ def profile(
     repeats: int = 5,
     loss_fn: LossFn | None = None,
     example_target: Any = None,
+    split_backward: bool = False,
 ) -> Profile:
     """Measures the candidate units of `model` on one microbatch.
 
@@ -207,6 +210,10 @@ def profile(
     (as the last stage does) and the backward starts from the loss;
     otherwise from gradients of ones on the model's outputs.
     A trace of the model cut at every unit gives what crosses each cut.
+    With `split_backward`, each unit's I and W (the split backward of the
+    zero-bubble schedules) are timed apart from its B on the graphs the
+    runtime runs (`split_profile`), and kept as their ratios to B applied
+    to the unit's B here.
     The model's parameters, gradients, buffers and random state are left as
     they were.
     """
@@ -246,6 +253,7 @@ def profile(
     activation = [sizes.saved.get(k, 0) for k in range(len(units))]
 
     traced = _traced_transfers(model, args, kwargs, units)
+    ratios: list[tuple[float, float]] | None = None
     if traced is None:  # not traceable at every unit: the bytes each unit reads
         kept = units
         transfers = tuple(
@@ -254,7 +262,10 @@ def profile(
         )
         tied: tuple[tuple[tuple[int, ...], int], ...] = ()
     else:
-        kept, transfers, tied = traced
+        kept, transfers, tied, pipe = traced
+        if split_backward:
+            with torch.random.fork_rng(devices=prof.cuda_devices), _buffers_restored(model):
+                ratios = split_ratios(pipe, args, kwargs, repeats, prof.sync)
     owner: list[int] = []  # a unit that cannot start a stage joins the one before
     for u in units:
         owner.append(kept.index(u) if u in kept else owner[-1])
@@ -265,13 +276,20 @@ def profile(
             out[owner[k]] += v
         return out
 
+    merged_backward = merged(backward)
     return Profile(
         units=tuple(kept),
         forward=tuple(merged(forward)),
-        backward=tuple(merged(backward)),
+        backward=tuple(merged_backward),
         activation_bytes=tuple(int(v) for v in merged(activation)),
         transfers=transfers,
         tied=tied,
+        input_grad=None
+        if ratios is None
+        else tuple(b * r for b, (r, _) in zip(merged_backward, ratios, strict=True)),
+        weight_grad=None
+        if ratios is None
+        else tuple(b * r for b, (_, r) in zip(merged_backward, ratios, strict=True)),
     )
 
 
@@ -306,7 +324,9 @@ def _traced_transfers(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     units: Sequence[str],
-) -> tuple[list[str], tuple[UnitTransfer, ...], tuple[tuple[tuple[int, ...], int], ...]] | None:
+) -> (
+    tuple[list[str], tuple[UnitTransfer, ...], tuple[tuple[tuple[int, ...], int], ...], Pipe] | None
+):
     """What crosses between units: `mpmd.trace` cut before every unit. A unit
     the trace refuses as a boundary (named in its error, e.g. one whose ops
     are all recomputed where needed, which leaves an empty stage) is merged
@@ -338,5 +358,5 @@ def _traced_transfers(
             )
             for t in plan.tied
         )
-        return [units[0], *points], transfers, tied
+        return [units[0], *points], transfers, tied, pipe
     return None

@@ -40,13 +40,22 @@ class Profile:
     activation_bytes: tuple[int, ...]
     transfers: tuple[UnitTransfer, ...]
     tied: tuple[tuple[tuple[int, ...], int], ...] = ()
+    # The split backward's I and W per unit, measured apart from B (None:
+    # not measured, I = W = B / 2). A stage that starts at the first unit has
+    # no input gradient: its W is the whole backward.
+    input_grad: tuple[float, ...] | None = None
+    weight_grad: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.units)
         if n < 1:
             raise ValueError("Profile: needs at least one unit")
-        for name in ("forward", "backward", "activation_bytes"):
+        if (self.input_grad is None) != (self.weight_grad is None):
+            raise ValueError("Profile: give input_grad and weight_grad together, or neither")
+        for name in ("forward", "backward", "activation_bytes", "input_grad", "weight_grad"):
             values = getattr(self, name)
+            if values is None:
+                continue
             if len(values) != n:
                 raise ValueError(f"Profile.{name} gives {len(values)} values for {n} units")
             if any(not math.isfinite(v) or v < 0 for v in values):

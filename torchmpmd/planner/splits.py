@@ -62,6 +62,8 @@ class _Simulator:
         self._f = [0.0, *itertools.accumulate(profile.forward)]
         self._b = [0.0, *itertools.accumulate(profile.backward)]
         self._a = [0, *itertools.accumulate(profile.activation_bytes)]
+        self._i = [0.0, *itertools.accumulate(profile.input_grad or ())]
+        self._w = [0.0, *itertools.accumulate(profile.weight_grad or ())]
 
     def stages(self, starts: tuple[int, ...]) -> list[tuple[float, float, int]]:
         """Per stage: forward, backward, activation bytes."""
@@ -71,11 +73,26 @@ class _Simulator:
             for s, e in itertools.pairwise(bounds)
         ]
 
+    def split_backward(self, starts: tuple[int, ...]) -> tuple[list[float], list[float]] | None:
+        """Per stage, I and W as measured (None: not measured). The first
+        stage reads no input gradient: its I is empty, its W the whole backward."""
+        if self.profile.input_grad is None:
+            return None
+        bounds = [*starts, len(self.profile.units)]
+        i = [self._i[e] - self._i[s] for s, e in itertools.pairwise(bounds)]
+        w = [self._w[e] - self._w[s] for s, e in itertools.pairwise(bounds)]
+        w[0] += i[0]
+        i[0] = 0.0
+        return i, w
+
     def costs(self, starts: tuple[int, ...]) -> Costs:
         stages = self.stages(starts)
+        split = self.split_backward(starts)
         return Costs(
             forward=[f for f, _, _ in stages],
             backward=[b for _, b, _ in stages],
+            input_grad=split[0] if split else None,
+            weight_grad=split[1] if split else None,
             activation_bytes=[a for _, _, a in stages],
             unit="s",
             bandwidth=self.bandwidth,

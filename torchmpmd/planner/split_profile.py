@@ -1,0 +1,152 @@
+"""What the split backward costs, unit by unit: B, I and W of each stage of a
+pipe cut at every unit, timed with the graphs the runtime runs.
+
+A zero-bubble schedule replaces each B with an I (input gradients) and a W
+(weight gradients). Whether that pays off depends on what I + W cost against
+B on the model at hand: the split graphs dispatch their ops from Python, I
+keeps what W needs alive, and W reads it cold, so on some models I + W is a
+few percent over B, more than the bubble it fills. Deriving I and W from B
+(I = W = B / 2) hides that; these are measured. Each unit is traced alone as
+a stage (`mpmd.trace` cut before every unit), given the inputs the whole
+model computes for it, and timed as autograd's B on the stage and as the
+`SplitStage` F / I / W graphs the runtime builds, in turns.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..graph.pipe import Pipe
+from ..graph.split import SplitStage
+
+__all__: list[str] = []
+
+
+def split_ratios(
+    pipe: Pipe,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    repeats: int,
+    sync: Callable[[], None],
+) -> list[tuple[float, float]] | None:
+    """Per stage of `pipe`: (I / B, W / B), each timed apart (medians of
+    `repeats`). None where a stage cannot be split (its shapes depend on the
+    data): such a stage runs B under every schedule."""
+    flat = [
+        v.contiguous() if isinstance(v, torch.Tensor) else v
+        for v in pipe.flatten_inputs(args, kwargs)
+    ]
+    env = {n: v for n, v in zip(pipe.input_node_names, flat, strict=True) if n is not None}
+    grad_values = {t.value for t in pipe.transfers if t.requires_grad}
+    out: list[tuple[float, float]] = []
+    for k, spec in enumerate(pipe.stage_specs):
+        gm = pipe.stage(k)
+        values = [env[n] for n in spec.input_names]
+        with torch.no_grad():
+            outputs = gm(*values)
+        env.update(zip(spec.output_names, outputs, strict=True))
+        if not isinstance(gm, torch.fx.GraphModule):
+            return None
+        received = dict(
+            zip(range(spec.num_user_inputs, len(values)), spec.recv_values, strict=True)
+        )
+        ratios = _stage_ratios(gm, values, received, grad_values, outputs, repeats, sync)
+        if ratios is None:
+            return None
+        out.append(ratios)
+    return out
+
+
+def _stage_ratios(
+    gm: torch.fx.GraphModule,
+    values: list[Any],
+    received: dict[int, int],
+    grad_values: set[int],
+    outputs: tuple[Any, ...],
+    repeats: int,
+    sync: Callable[[], None],
+) -> tuple[float, float] | None:
+    slots = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    xs = [values[i] for i in slots]
+    grad_inputs = [
+        j
+        for j, i in enumerate(slots)
+        if received.get(i) in grad_values and values[i].is_floating_point()
+    ]
+    param_names = [n for n, _ in gm.named_parameters()]
+    buffer_names = [n for n, _ in gm.named_buffers()]
+
+    def fn(
+        params: list[torch.Tensor], buffers: list[torch.Tensor], tensors: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        state = dict(zip(param_names, params, strict=True))
+        state.update(zip(buffer_names, buffers, strict=True))
+        call = list(values)
+        for slot, x in zip(slots, tensors, strict=True):
+            call[slot] = x
+        outs = torch.func.functional_call(gm, state, tuple(call))
+        return [o for o in outs if isinstance(o, torch.Tensor)]
+
+    try:
+        split = SplitStage(gm, fn, xs, grad_inputs, None)
+    except (ValueError, RuntimeError):  # data-dependent shapes: B only
+        return None
+    tensor_outs = [o for o in outputs if isinstance(o, torch.Tensor)]
+    grads = [torch.ones_like(o) if o.is_floating_point() else None for o in tensor_outs]
+    params = list(gm.parameters())
+    kept = [p.grad for p in params]
+
+    def full() -> float:
+        leaves = [x.detach().requires_grad_(j in grad_inputs) for j, x in enumerate(xs)]
+        call = list(values)
+        for slot, x in zip(slots, leaves, strict=True):
+            call[slot] = x
+        with torch.enable_grad():
+            outs = [o for o in gm(*call) if isinstance(o, torch.Tensor)]
+        pairs = [
+            (o, g) for o, g in zip(outs, grads, strict=True) if g is not None and o.requires_grad
+        ]
+        if not pairs:
+            return 0.0
+        sync()
+        start = time.perf_counter()
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        sync()
+        return time.perf_counter() - start
+
+    def halves() -> tuple[float, float]:
+        saved = split.forward(xs)
+        sync()
+        start = time.perf_counter()
+        _, for_w = split.input_grad(saved[len(tensor_outs) :], grads)
+        sync()
+        middle = time.perf_counter()
+        split.weight_grad(for_w)
+        sync()
+        return middle - start, time.perf_counter() - middle
+
+    b, i, w = [], [], []
+    try:
+        for r in range(repeats + 1):  # the first round warms up
+            for p in params:
+                p.grad = None
+            tb = full()
+            for p in params:
+                p.grad = None
+            ti, tw = halves()
+            if r:
+                b.append(tb)
+                i.append(ti)
+                w.append(tw)
+    finally:
+        for p, g in zip(params, kept, strict=True):
+            p.grad = g
+    mb = statistics.median(b)
+    if mb <= 0:
+        return (0.5, 0.5)
+    return statistics.median(i) / mb, statistics.median(w) / mb
