@@ -16,7 +16,17 @@ import torch  # noqa: F401  (loads libtorch before the native core)
 
 from . import _C, checkpoint, schedules, viz
 from .graph import Pipe, from_stages, mark_stage_end
-from .planner import Balance, Plan, balance, plan, trace
+from .planner import (
+    Balance,
+    Machine,
+    Plan,
+    Projection,
+    TransformerShape,
+    balance,
+    plan,
+    project,
+    trace,
+)
 from .runtime import CpuTuning, PipelineRunner, RunnerOptions, StepOutput, tune_cpu
 from .schedule import (
     Costs,
@@ -39,11 +49,13 @@ __all__ = [
     "Balance",
     "Costs",
     "CpuTuning",
+    "Machine",
     "Pipe",
     "PipelineError",
     "PipelineRunner",
     "Plan",
     "Program",
+    "Projection",
     "RunnerOptions",
     "Schedule",
     "StageCollectives",
@@ -51,6 +63,7 @@ __all__ = [
     "Task",
     "Timeline",
     "TimelineEvent",
+    "TransformerShape",
     "__version__",
     "balance",
     "checkpoint",
@@ -58,6 +71,7 @@ __all__ = [
     "from_stages",
     "mark_stage_end",
     "plan",
+    "project",
     "schedules",
     "trace",
     "tune_cpu",

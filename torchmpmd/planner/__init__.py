@@ -13,7 +13,10 @@ planner (a schedule chooser, a memory planner) would:
 - `balancer.py`: the entry point `balance` (rank 0 profiles, every rank gets
   the result) and `mpmd.trace`, which takes `num_stages=N`;
 - `plan.py`: `mpmd.plan`, the schedule, stages per rank, split and number
-  of microbatches weighed together.
+  of microbatches weighed together;
+- `split_profile.py`: each unit's I and W timed apart from its B;
+- `cluster.py`: `mpmd.project`, a step at cluster scale from a machine
+  description and a transformer's config, on the same simulator.
 
 Units are timed boundary to boundary: a unit's forward runs from its forward
 pre-hook to the next unit's, so code between modules (a residual add, a
@@ -23,6 +26,7 @@ one unit's inputs to the gradient of the previous unit's inputs.
 """
 
 from .balancer import balance, trace
+from .cluster import Machine, Projection, TransformerShape, project
 from .plan import Candidate, Plan, plan
 from .profiler import profile
 from .results import Balance, Profile, StageCost, UnitTransfer
@@ -32,13 +36,17 @@ __all__ = [
     "EXHAUSTIVE_LIMIT",
     "Balance",
     "Candidate",
+    "Machine",
     "Plan",
     "Profile",
+    "Projection",
     "StageCost",
+    "TransformerShape",
     "UnitTransfer",
     "balance",
     "plan",
     "profile",
+    "project",
     "search",
     "simulate",
     "trace",
