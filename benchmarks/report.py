@@ -115,12 +115,69 @@ def balance_table(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def planner_tables(data: dict[str, Any]) -> list[str]:
+    """Per model: the plan against every built-in with its own balanced
+    split (and 1F1B's even split), measured in turns, with the targets."""
+    cfg = data["config"]
+    out = [
+        f"### The planner against every built-in (2 Gloo ranks, {cfg['microbatches']} "
+        f"microbatches of {cfg['microbatch_size']}, medians of {cfg['rounds']} rounds in turns)",
+    ]
+    for model in data["models"]:
+        out += [
+            "",
+            f"{model['model']}: plan {model['plan']}, split_before={model['plan_split']}, "
+            f"planned in {model['plan_s']:.1f} s",
+            "",
+            "| row | stages | step | / fastest built-in | measured / planned | "
+            "measured / simulated (own costs) | split_before |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+        ]
+        for r in model["rows"]:
+            out.append(
+                f"| {r['row']} | {r['stages']} | {r['step_s'] * 1e3:.1f} ms | "
+                f"{r['over_fastest_builtin']:.3f} | {r['measured_over_predicted']:.3f} | "
+                f"{r['measured_over_simulated']:.3f} | {', '.join(r['split_before'])} |"
+            )
+        rows = {r["row"]: r for r in model["rows"]}
+        plan = rows["plan"]
+        even = rows["1F1B even"]
+        out += [
+            "",
+            "| target | ratio | |",
+            "| --- | ---: | --- |",
+            f"| plan <= 1.03 x the fastest built-in | {plan['over_fastest_builtin']:.3f} | "
+            f"{_mark(plan['over_fastest_builtin'] <= 1.03)} |",
+            f"| plan <= 1F1B with the even split | {plan['step_s'] / even['step_s']:.3f} | "
+            f"{_mark(plan['step_s'] <= even['step_s'])} |",
+        ]
+        split = model["split_backward_runtime"]
+        if split:
+            out.append(
+                "| I + W <= 1.02 x B inside the runtime (ZB-H1 against 1F1B), every stage | "
+                + ", ".join(f"{x:.3f}" for x in split)
+                + f" | {_mark(max(split) <= 1.02)} |"
+            )
+        mem = model["memory"]
+        if "measured" in mem:
+            q = max(mem["measured"]) / mem["limit"]
+            out.append(
+                f"| memory_limit = 0.6 x 1F1B's peak: measured peak <= 1.1 x the limit | "
+                f"{q:.3f} ({mem['schedule']}, recompute {mem['recompute'] or '-'}) | "
+                f"{_mark(q <= 1.1)} |"
+            )
+        else:
+            out.append(f"| memory_limit = 0.6 x 1F1B's peak | {mem.get('error', '')} | missed |")
+    return out
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else "out/benchmarks")
     schedules = _load(out_dir / "schedules.json")
     pipelining = _load(out_dir / "pipelining.json")
     pipelining_gpt = _load(out_dir / "pipelining_gpt.json")
     balance = _load(out_dir / "balance.json")
+    planner = _load(out_dir / "planner.json")
     split = out_dir / "split_backward.txt"
     lines = [
         f"Machine: {platform.processor() or platform.machine()}, "
@@ -134,6 +191,8 @@ def main() -> None:
         lines += [*pipelining_table([("GPT 8x128", pipelining), ("GPT 4x192", pipelining_gpt)]), ""]
     if balance:
         lines += [*balance_table(balance), ""]
+    if planner:
+        lines += [*planner_tables(planner), ""]
     if split.exists():
         lines += ["### I + W against B (one split stage, isolated)", "", "```"]
         lines += [*split.read_text().strip().splitlines(), "```", ""]
@@ -146,6 +205,7 @@ def main() -> None:
                 "pipelining": pipelining,
                 "pipelining_gpt": pipelining_gpt,
                 "balance": balance,
+                "planner": planner,
             },
             indent=1,
         )

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every CPU benchmark in one go (about 5 minutes on 2 cores), side by side
+# Every CPU benchmark in one go (about 15 minutes on 2 cores), side by side
 # with torch.distributed.pipelining where it runs the same job. Writes
 # $OUT/results.json, $OUT/table.md and $OUT/timeline.png (default OUT:
 # out/benchmarks) and prints the table. Run on a quiet machine: every figure
@@ -19,6 +19,8 @@ python benchmarks/compare_pipelining.py --json "$OUT/pipelining.json" 2>&1 | qui
 python benchmarks/compare_pipelining.py --layers 4 --dim 192 --json "$OUT/pipelining_gpt.json" 2>&1 | quiet
 echo "== automatic balancing vs every split (2 ranks)"
 python benchmarks/balance.py --rounds 9 --json "$OUT/balance.json" 2>&1 | quiet
+echo "== mpmd.plan against every built-in schedule, four models (2 ranks)"
+python benchmarks/planner.py --rounds 9 --json "$OUT/planner.json" 2>&1 | quiet
 echo "== I + W against B, one stage"
 python benchmarks/split_backward.py 2>&1 | quiet | tee "$OUT/split_backward.txt"
 python benchmarks/report.py "$OUT"

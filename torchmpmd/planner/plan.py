@@ -27,6 +27,7 @@ yet: selective recompute, a recompute set per rank beyond those two.
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -152,6 +153,7 @@ def plan(
     bandwidth: float = 0.0,
     latency: float = 0.0,
     repeats: int = 5,
+    tolerance: float = 0.03,
 ) -> Plan:
     """The fastest schedule, stages per rank, split and number of
     microbatches for `model` on `num_ranks` ranks, on the simulator (see the
@@ -160,12 +162,21 @@ def plan(
     bytes of activations per rank; a candidate whose every split exceeds it
     is rejected, and if every one does, the error gives the smallest peak.
 
+    `tolerance`: candidates predicted within this fraction of the fastest
+    are taken as equal (the simulator's prediction of a measured step is
+    good to a few percent, and a schedule with more stages or a split
+    backward pays per-task costs a profile does not see), and the simplest
+    of them is the plan: the fewest stages, then no split backward, then the
+    least recompute, then the smallest peak. 0: the fastest prediction wins.
+
     Under torch.distributed (initialised, several processes), call it on
     every rank: rank 0 profiles and searches, every rank gets its plan.
     """
     if not isinstance(num_ranks, int) or isinstance(num_ranks, bool) or num_ranks < 1:
         raise ValueError(f"mpmd.plan: num_ranks must be a positive int, got {num_ranks!r}")
     check_limits(memory_limit, bandwidth, latency)
+    if not isinstance(tolerance, int | float) or not 0 <= tolerance < 1:
+        raise ValueError(f"mpmd.plan: tolerance must be in [0, 1), got {tolerance!r}")
     classes = _classes(schedules)
     counts = _counts(num_microbatches, batch_size, num_ranks)
 
@@ -205,12 +216,17 @@ def plan(
         )
         if not ran:
             raise ValueError(_nothing_fits(found, memory_limit))
-        best, balance = ran[0]
+        fastest = _per_row(ran[0][0], batch_size)
+        # Within `tolerance` of the fastest, the simulator cannot tell them
+        # apart: the simplest wins (fewest stages, no split backward, least
+        # recompute, smallest peak).
+        close = [c for c in ran if _per_row(c[0], batch_size) <= fastest * (1 + tolerance)]
+        best, balance = min(close, key=lambda c: _simplicity(c[0]))
         assert balance is not None and best.schedule is not None
+        ranked = [c for c, _ in ran if c is not best]
         slower = [
-            dataclasses.replace(c, rejected=f"{_per_row(c, batch_size) / fastest:.3f}x slower")
-            for c, _ in ran[1:]
-            if (fastest := _per_row(best, batch_size)) > 0
+            dataclasses.replace(c, rejected=_why_not(c, best, batch_size, tolerance))
+            for c in ranked
         ]
         others = slower + [c for c, b in found if b is None]
         return Plan(
@@ -376,7 +392,17 @@ def _weigh(
         )
     except ValueError as err:
         text = str(err).removeprefix("mpmd.balance: ")
-        return _failed(cls, stages, m, text.split("; ")[0], policy), None
+        peak = re.search(r"peak is [^(]*\((\d+) bytes, rank (\d+)", text)
+        if peak is None:
+            return _failed(cls, stages, m, text.split("; ")[0], policy), None
+        failed = _failed(
+            cls,
+            stages,
+            m,
+            f"its smallest peak is {human_bytes(int(peak[1]))} (rank {peak[2]})",
+            policy,
+        )
+        return dataclasses.replace(failed, predicted_peak_bytes=[int(peak[1])]), None
     return (
         Candidate(
             name=repr(schedule),
@@ -408,6 +434,25 @@ def _failed(
     )
 
 
+def _simplicity(c: Candidate) -> tuple[int, bool, int, int, float]:
+    assert c.schedule is not None
+    split = _splits_backward(type(c.schedule))
+    return (
+        c.num_stages,
+        split,
+        len(c.recompute),
+        max(c.predicted_peak_bytes),
+        c.predicted_step_time,
+    )
+
+
+def _why_not(c: Candidate, best: Candidate, batch_size: int | None, tolerance: float) -> str:
+    ratio = _per_row(c, batch_size) / max(_per_row(best, batch_size), 1e-30)
+    if ratio > 1 + tolerance:
+        return f"{ratio:.3f}x slower"
+    return f"{ratio:.3f}x, within tolerance: the plan is simpler"
+
+
 def _stages(recompute: dict[int, str]) -> str:
     return ", ".join(str(s) for s in sorted(recompute)) or "-"
 
@@ -421,6 +466,18 @@ def _per_row(c: Candidate, batch_size: int | None) -> float:
 
 
 def _nothing_fits(found: list[tuple[Candidate, Balance | None]], limit: float | None) -> str:
-    reasons = "; ".join(f"{c.name} on {c.num_stages} stages: {c.rejected}" for c, _ in found)
     what = f" within memory_limit={human_bytes(limit)}" if limit is not None else ""
+    peaks = [c for c, _ in found if c.predicted_peak_bytes]
+    if peaks:
+        low = min(peaks, key=lambda c: max(c.predicted_peak_bytes))
+        recompute = f", recomputing stages {_stages(low.recompute)}" if low.recompute else ""
+        return (
+            f"mpmd.plan: no candidate runs{what}; the smallest simulated peak found is "
+            f"{human_bytes(max(low.predicted_peak_bytes))} per rank ({low.name} on "
+            f"{low.num_stages} stages{recompute}); raise memory_limit to at least that, or "
+            "plan for more ranks or smaller microbatches (batch_size with more microbatches)"
+        )
+    reasons = "; ".join(
+        dict.fromkeys(f"{c.name} on {c.num_stages} stages: {c.rejected}" for c, _ in found)
+    )
     return f"mpmd.plan: no candidate runs{what}: {reasons}"

@@ -20,7 +20,7 @@ from ..graph.inputs import example_inputs
 from ..graph.markers import _tracing
 from ..graph.pipe import Pipe
 from .results import Profile, UnitTransfer
-from .split_profile import split_ratios
+from .split_profile import stage_times
 from .units import Recorder, candidate_units
 
 __all__ = ["LossFn", "profile"]
@@ -210,10 +210,10 @@ def profile(
     (as the last stage does) and the backward starts from the loss;
     otherwise from gradients of ones on the model's outputs.
     A trace of the model cut at every unit gives what crosses each cut.
-    With `split_backward`, each unit's I and W (the split backward of the
-    zero-bubble schedules) are timed apart from its B on the graphs the
-    runtime runs (`split_profile`), and kept as their ratios to B applied
-    to the unit's B here.
+    With `split_backward`, every unit is also timed as a stage on the graphs
+    the runtime runs (`split_profile`): F, B, and the split backward's I and
+    W apart from B; those times are the profile's (the hooks' are kept only
+    where the model cannot be traced at every unit).
     The model's parameters, gradients, buffers and random state are left as
     they were.
     """
@@ -253,7 +253,7 @@ def profile(
     activation = [sizes.saved.get(k, 0) for k in range(len(units))]
 
     traced = _traced_transfers(model, args, kwargs, units)
-    ratios: list[tuple[float, float]] | None = None
+    graph_times: list[tuple[float, float, float, float, int]] | None = None
     if traced is None:  # not traceable at every unit: the bytes each unit reads
         kept = units
         transfers = tuple(
@@ -265,7 +265,7 @@ def profile(
         kept, transfers, tied, pipe = traced
         if split_backward:
             with torch.random.fork_rng(devices=prof.cuda_devices), _buffers_restored(model):
-                ratios = split_ratios(pipe, args, kwargs, repeats, prof.sync)
+                graph_times = stage_times(pipe, args, kwargs, repeats, prof.sync)
     owner: list[int] = []  # a unit that cannot start a stage joins the one before
     for u in units:
         owner.append(kept.index(u) if u in kept else owner[-1])
@@ -276,20 +276,26 @@ def profile(
             out[owner[k]] += v
         return out
 
-    merged_backward = merged(backward)
+    if graph_times is None:
+        return Profile(
+            units=tuple(kept),
+            forward=tuple(merged(forward)),
+            backward=tuple(merged(backward)),
+            activation_bytes=tuple(int(v) for v in merged(activation)),
+            transfers=transfers,
+            tied=tied,
+        )
+    # Every time and activation from the traced unit-stages, as the
+    # runtime runs them.
     return Profile(
         units=tuple(kept),
-        forward=tuple(merged(forward)),
-        backward=tuple(merged_backward),
-        activation_bytes=tuple(int(v) for v in merged(activation)),
+        forward=tuple(t[0] for t in graph_times),
+        backward=tuple(t[1] for t in graph_times),
+        activation_bytes=tuple(t[4] for t in graph_times),
         transfers=transfers,
         tied=tied,
-        input_grad=None
-        if ratios is None
-        else tuple(b * r for b, (r, _) in zip(merged_backward, ratios, strict=True)),
-        weight_grad=None
-        if ratios is None
-        else tuple(b * r for b, (_, r) in zip(merged_backward, ratios, strict=True)),
+        input_grad=tuple(t[2] for t in graph_times),
+        weight_grad=tuple(t[3] for t in graph_times),
     )
 
 

@@ -8,12 +8,15 @@ keeps what W needs alive, and W reads it cold, so on some models I + W is a
 few percent over B, more than the bubble it fills. Deriving I and W from B
 (I = W = B / 2) hides that; these are measured. Each unit is traced alone as
 a stage (`mpmd.trace` cut before every unit), given the inputs the whole
-model computes for it, and timed as autograd's B on the stage and as the
-`SplitStage` F / I / W graphs the runtime builds, in turns.
+model computes for it, and timed as autograd's F and B on the stage's
+traced graph (the aten ops the runtime dispatches, which cost more than the
+eager module's calls on small layers) and as the `SplitStage` I / W graphs
+the runtime builds, in turns.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -27,23 +30,26 @@ from ..graph.split import SplitStage
 __all__: list[str] = []
 
 
-def split_ratios(
+def stage_times(
     pipe: Pipe,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     repeats: int,
     sync: Callable[[], None],
-) -> list[tuple[float, float]] | None:
-    """Per stage of `pipe`: (I / B, W / B), each timed apart (medians of
-    `repeats`). None where a stage cannot be split (its shapes depend on the
-    data): such a stage runs B under every schedule."""
+) -> list[tuple[float, float, float, float, int]] | None:
+    """Per stage of `pipe`: F, B, I and W seconds, each timed apart (medians
+    of `repeats`) on the stage's traced graph, as the runtime runs it, and
+    the bytes its autograd forward saves for the backward (parameters and
+    buffers apart). None
+    where a stage cannot be split (its shapes depend on the data): such a
+    stage runs B under every schedule."""
     flat = [
         v.contiguous() if isinstance(v, torch.Tensor) else v
         for v in pipe.flatten_inputs(args, kwargs)
     ]
     env = {n: v for n, v in zip(pipe.input_node_names, flat, strict=True) if n is not None}
     grad_values = {t.value for t in pipe.transfers if t.requires_grad}
-    out: list[tuple[float, float]] = []
+    out: list[tuple[float, float, float, float, int]] = []
     for k, spec in enumerate(pipe.stage_specs):
         gm = pipe.stage(k)
         values = [env[n] for n in spec.input_names]
@@ -55,14 +61,14 @@ def split_ratios(
         received = dict(
             zip(range(spec.num_user_inputs, len(values)), spec.recv_values, strict=True)
         )
-        ratios = _stage_ratios(gm, values, received, grad_values, outputs, repeats, sync)
-        if ratios is None:
+        times = _stage_times(gm, values, received, grad_values, outputs, repeats, sync)
+        if times is None:
             return None
-        out.append(ratios)
+        out.append(times)
     return out
 
 
-def _stage_ratios(
+def _stage_times(
     gm: torch.fx.GraphModule,
     values: list[Any],
     received: dict[int, int],
@@ -70,7 +76,7 @@ def _stage_ratios(
     outputs: tuple[Any, ...],
     repeats: int,
     sync: Callable[[], None],
-) -> tuple[float, float] | None:
+) -> tuple[float, float, float, float, int] | None:
     slots = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
     xs = [values[i] for i in slots]
     grad_inputs = [
@@ -101,23 +107,45 @@ def _stage_ratios(
     params = list(gm.parameters())
     kept = [p.grad for p in params]
 
-    def full() -> float:
+    fixed = {t.untyped_storage().data_ptr() for t in [*params, *gm.buffers()]}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        try:
+            storage = t.untyped_storage()
+            key, size = storage.data_ptr(), storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # no plain storage
+            key, size = id(t), t.numel() * t.element_size()
+        if key not in fixed:
+            saved[key] = size
+        return t
+
+    def full(count: bool = False) -> tuple[float, float]:
         leaves = [x.detach().requires_grad_(j in grad_inputs) for j, x in enumerate(xs)]
         call = list(values)
         for slot, x in zip(slots, leaves, strict=True):
             call[slot] = x
-        with torch.enable_grad():
+        hooks = (
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            if count
+            else contextlib.nullcontext()
+        )
+        sync()
+        start = time.perf_counter()
+        with torch.enable_grad(), hooks:
             outs = [o for o in gm(*call) if isinstance(o, torch.Tensor)]
+        sync()
+        forward = time.perf_counter() - start
         pairs = [
             (o, g) for o, g in zip(outs, grads, strict=True) if g is not None and o.requires_grad
         ]
         if not pairs:
-            return 0.0
+            return forward, 0.0
         sync()
         start = time.perf_counter()
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         sync()
-        return time.perf_counter() - start
+        return forward, time.perf_counter() - start
 
     def halves() -> tuple[float, float]:
         saved = split.forward(xs)
@@ -130,23 +158,30 @@ def _stage_ratios(
         sync()
         return middle - start, time.perf_counter() - middle
 
-    b, i, w = [], [], []
+    f: list[float] = []
+    b: list[float] = []
+    i: list[float] = []
+    w: list[float] = []
     try:
         for r in range(repeats + 1):  # the first round warms up
             for p in params:
                 p.grad = None
-            tb = full()
+            tf, tb = full(count=r == 0)
             for p in params:
                 p.grad = None
             ti, tw = halves()
             if r:
+                f.append(tf)
                 b.append(tb)
                 i.append(ti)
                 w.append(tw)
     finally:
         for p, g in zip(params, kept, strict=True):
             p.grad = g
-    mb = statistics.median(b)
-    if mb <= 0:
-        return (0.5, 0.5)
-    return statistics.median(i) / mb, statistics.median(w) / mb
+    return (
+        statistics.median(f),
+        statistics.median(b),
+        statistics.median(i),
+        statistics.median(w),
+        sum(saved.values()),
+    )

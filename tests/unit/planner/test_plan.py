@@ -78,13 +78,13 @@ def test_the_plan_runs_as_given_and_equals_the_unpipelined_model():
 
 
 def test_the_plan_is_the_fastest_candidate_and_says_what_it_weighed():
-    found = _plan(batch_size=16)
+    found = _plan(batch_size=16, tolerance=0.0)
     weighed = [c for c in found.alternatives if c.schedule is not None]
     names = {type(c.schedule).__name__ for c in weighed} | {type(found.schedule).__name__}
     assert names == set(mpmd.schedules.__all__)
     # Same global batch for all: the step times compare directly.
     assert all(c.predicted_step_time >= found.predicted_step_time for c in weighed)
-    assert all("slower" in c.rejected for c in weighed)
+    assert all("slower" in c.rejected or "within tolerance" in c.rejected for c in weighed)
     # The plan's prediction is the simulator's for its pieces.
     assert found.balance is not None
     assert found.balance.predicted_step == found.predicted_step_time
@@ -106,13 +106,20 @@ def test_the_memory_cap_holds_in_simulation_and_a_cap_nothing_fits_is_an_error()
     assert max(timeline.peak_activation_bytes) <= limit
     rejected = [c for c in capped.alternatives if c.schedule is None or "memory" in c.rejected]
     assert rejected, capped  # GPipe keeps every microbatch: it cannot fit
-    with pytest.raises(ValueError, match="no candidate runs within memory_limit"):
+    with pytest.raises(
+        ValueError,
+        match="no candidate runs within memory_limit=.*; the smallest simulated peak found is",
+    ):
         _plan(num_microbatches=8, memory_limit=16)
 
 
 def test_a_tight_cap_is_met_by_recomputing_and_the_runner_takes_the_policy():
     free = _plan(num_microbatches=8)
-    limit = 0.3 * max(free.predicted_peak_bytes)
+    # Below what any schedule holds without recomputing.
+    peaks = [free.predicted_peak_bytes] + [
+        c.predicted_peak_bytes for c in free.alternatives if c.schedule is not None
+    ]
+    limit = 0.5 * min(max(p) for p in peaks)
     capped = _plan(num_microbatches=8, memory_limit=limit)
     assert capped.recompute, capped  # no schedule fits without recomputing
     assert set(capped.recompute.values()) == {"full"}
@@ -142,3 +149,18 @@ def test_bad_arguments_are_refused_before_profiling():
         mpmd.plan(_Uneven(), (x,), 2, batch_size=10, num_microbatches=4)
     with pytest.raises(TypeError, match="schedules must be Schedule classes"):
         mpmd.plan(_Uneven(), (x,), 2, schedules=[mpmd.schedules.OneFOneB(4)])
+
+
+def test_within_tolerance_the_simplest_candidate_is_the_plan():
+    found = _plan(batch_size=16, tolerance=0.5)
+    weighed = [c for c in found.alternatives if c.schedule is not None]
+    fastest = min([found.predicted_step_time, *(c.predicted_step_time for c in weighed)])
+    assert found.predicted_step_time <= 1.5 * fastest
+    close = [c for c in weighed if c.predicted_step_time <= 1.5 * fastest]
+    # None of those has fewer stages, or as few and no split backward.
+    assert all(c.num_stages >= found.num_stages for c in close)
+    assert found.num_stages == found.num_ranks
+    assert "ZeroBubble" not in type(found.schedule).__name__
+    assert any("within tolerance" in c.rejected for c in close)
+    with pytest.raises(ValueError, match="tolerance must be in"):
+        _plan(batch_size=16, tolerance=1.5)
