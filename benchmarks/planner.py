@@ -8,8 +8,11 @@ pre-norm transformer of `nn.TransformerEncoderLayer` blocks).
 For each model, rank 0 plans (every rank gets the plan) and keeps, for each
 built-in schedule, the split the planner found best for it: those are the
 built-ins "with their own balanced split". Every built-in, 1F1B with the
-even split, and the plan then take turns, one step each per round; a row's
-step is its median over `--rounds` rounds after `--warmup`. Each row also
+even split, and the plan then take turns, one step each per round, each
+round starting one row later; a row's step is its median over `--rounds`
+rounds after `--warmup`. The plan is one of the built-ins: the two rows
+run the same configuration in two runners, and their gap is the
+measurement's own spread. Each row also
 gives its measured step over the planner's prediction, and over the
 simulator given the task costs measured in those same steps; the I + W of
 ZB-H1 against 1F1B's B per stage, inside the runtime; and the planner's own
@@ -126,7 +129,8 @@ def run_case(
     times: dict[str, list[float]] = defaultdict(list)
     timelines: dict[str, list[mpmd.Timeline]] = defaultdict(list)
     for r in range(args.warmup + args.rounds):
-        for n in names:
+        # Each round starts one row later: no row always follows the same one.
+        for n in names[r % len(names) :] + names[: r % len(names)]:
             dist.barrier()
             t0 = time.perf_counter()
             runners[n].step(*case.batch, target=case.target)

@@ -17,6 +17,7 @@ import time
 import repo_paths  # noqa: F401  (examples/ on the import path)
 import torch
 from gpt import GPT, GPTConfig
+from models import PreNormLM
 
 import torchmpmd as mpmd
 from torchmpmd.graph.split import SplitStage
@@ -29,11 +30,20 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--compile", action="store_true", help="torch.compile the F/I/W graphs")
+    p.add_argument(
+        "--model",
+        choices=["gpt", "prenorm"],
+        default="gpt",
+        help="the bundled GPT's blocks, or nn.TransformerEncoderLayer(norm_first=True) blocks",
+    )
+    p.add_argument("--profile", action="store_true", help="torch.profiler's op table of B, I, W")
     args = p.parse_args()
     torch.manual_seed(0)
-    cfg = GPTConfig(dim=args.dim, layers=4, seq_len=args.seq, heads=4)
-    model = GPT(cfg)
     ids = torch.zeros(args.batch, args.seq, dtype=torch.long)
+    if args.model == "gpt":
+        model: torch.nn.Module = GPT(GPTConfig(dim=args.dim, layers=4, seq_len=args.seq, heads=4))
+    else:
+        model = PreNormLM(dim=args.dim, layers=4)
     pipe = mpmd.trace(model, (ids,), split_before=["blocks.1", "blocks.3"])
     stage = pipe.stage(1)  # blocks 1 and 2: input and output are activations
     spec = pipe.stage_specs[1]
@@ -72,9 +82,18 @@ def main() -> None:
         w.append(tw)
         for param in stage.parameters():
             param.grad = None
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        for name, fn in (("B", full_backward), ("I + W", split_backward)):
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(10):
+                    fn()
+            print(f"--- {name}, 10 runs")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
     mb, mi, mw = (statistics.median(v) * 1e3 for v in (b, i, w))
     print(
-        f"stage: 2 GPT blocks, dim {args.dim}, {args.batch}x{args.seq} tokens"
+        f"stage: 2 {args.model} blocks, dim {args.dim}, {args.batch}x{args.seq} tokens"
         f"{', compiled' if args.compile else ''}; median of {args.repeats}"
     )
     print(f"B (autograd)   {mb:8.2f} ms")

@@ -265,7 +265,7 @@ def profile(
         kept, transfers, tied, pipe = traced
         if split_backward:
             with torch.random.fork_rng(devices=prof.cuda_devices), _buffers_restored(model):
-                graph_times = stage_times(pipe, args, kwargs, repeats, prof.sync)
+                graph_times = stage_times(pipe, args, kwargs, repeats, prof.sync, loss)
     owner: list[int] = []  # a unit that cannot start a stage joins the one before
     for u in units:
         owner.append(kept.index(u) if u in kept else owner[-1])

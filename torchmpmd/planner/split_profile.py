@@ -19,12 +19,12 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from ..graph.pipe import Pipe
+from ..graph.pipe import Pipe, StageSpec
 from ..graph.split import SplitStage
 
 __all__: list[str] = []
@@ -36,13 +36,15 @@ def stage_times(
     kwargs: dict[str, Any],
     repeats: int,
     sync: Callable[[], None],
+    loss: tuple[Callable[[Any, Any], torch.Tensor], Any] | None = None,
 ) -> list[tuple[float, float, float, float, int]] | None:
     """Per stage of `pipe`: F, B, I and W seconds, each timed apart (medians
     of `repeats`) on the stage's traced graph, as the runtime runs it, and
     the bytes its autograd forward saves for the backward (parameters and
-    buffers apart). None
-    where a stage cannot be split (its shapes depend on the data): such a
-    stage runs B under every schedule."""
+    buffers apart); with `loss` (loss_fn, target) the last stage computes
+    the loss too, as the runtime's last stage does. None where a stage
+    cannot be split (its shapes depend on the data): such a stage runs B
+    under every schedule."""
     flat = [
         v.contiguous() if isinstance(v, torch.Tensor) else v
         for v in pipe.flatten_inputs(args, kwargs)
@@ -50,6 +52,7 @@ def stage_times(
     env = {n: v for n, v in zip(pipe.input_node_names, flat, strict=True) if n is not None}
     grad_values = {t.value for t in pipe.transfers if t.requires_grad}
     out: list[tuple[float, float, float, float, int]] = []
+    last = pipe.num_stages - 1
     for k, spec in enumerate(pipe.stage_specs):
         gm = pipe.stage(k)
         values = [env[n] for n in spec.input_names]
@@ -61,11 +64,33 @@ def stage_times(
         received = dict(
             zip(range(spec.num_user_inputs, len(values)), spec.recv_values, strict=True)
         )
-        times = _stage_times(gm, values, received, grad_values, outputs, repeats, sync)
+        finish = _with_loss(pipe, spec, dict(env), loss if k == last else None)
+        times = _stage_times(gm, values, received, grad_values, finish, repeats, sync)
         if times is None:
             return None
         out.append(times)
     return out
+
+
+def _with_loss(
+    pipe: Pipe,
+    spec: StageSpec,
+    env: dict[str, Any],
+    loss: tuple[Callable[[Any, Any], torch.Tensor], Any] | None,
+) -> Callable[[Sequence[Any]], list[torch.Tensor]]:
+    """A stage's tensor outputs, or on the last stage (given `loss`) its sends
+    and the loss of the model's outputs."""
+
+    def finish(outs: Sequence[Any]) -> list[torch.Tensor]:
+        if loss is None:
+            return [o for o in outs if isinstance(o, torch.Tensor)]
+        local = dict(env)
+        local.update(zip(spec.output_names, outs, strict=True))
+        value = loss[0](pipe.unflatten_outputs(local), loss[1])
+        sends = [o for o in outs[: spec.num_sends] if isinstance(o, torch.Tensor)]
+        return [*sends, value]
+
+    return finish
 
 
 def _stage_times(
@@ -73,7 +98,7 @@ def _stage_times(
     values: list[Any],
     received: dict[int, int],
     grad_values: set[int],
-    outputs: tuple[Any, ...],
+    finish: Callable[[Sequence[Any]], list[torch.Tensor]],
     repeats: int,
     sync: Callable[[], None],
 ) -> tuple[float, float, float, float, int] | None:
@@ -95,14 +120,14 @@ def _stage_times(
         call = list(values)
         for slot, x in zip(slots, tensors, strict=True):
             call[slot] = x
-        outs = torch.func.functional_call(gm, state, tuple(call))
-        return [o for o in outs if isinstance(o, torch.Tensor)]
+        return finish(torch.func.functional_call(gm, state, tuple(call)))
 
     try:
         split = SplitStage(gm, fn, xs, grad_inputs, None)
     except (ValueError, RuntimeError):  # data-dependent shapes: B only
         return None
-    tensor_outs = [o for o in outputs if isinstance(o, torch.Tensor)]
+    with torch.no_grad():
+        tensor_outs = finish(gm(*values))
     grads = [torch.ones_like(o) if o.is_floating_point() else None for o in tensor_outs]
     params = list(gm.parameters())
     kept = [p.grad for p in params]
@@ -133,7 +158,7 @@ def _stage_times(
         sync()
         start = time.perf_counter()
         with torch.enable_grad(), hooks:
-            outs = [o for o in gm(*call) if isinstance(o, torch.Tensor)]
+            outs = finish(gm(*call))
         sync()
         forward = time.perf_counter() - start
         pairs = [
