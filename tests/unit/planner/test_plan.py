@@ -108,7 +108,7 @@ def test_the_memory_cap_holds_in_simulation_and_a_cap_nothing_fits_is_an_error()
     assert rejected, capped  # GPipe keeps every microbatch: it cannot fit
     with pytest.raises(
         ValueError,
-        match="no candidate runs within memory_limit=.*; the smallest simulated peak found is",
+        match=r"no candidate runs within memory_limit=.*; the smallest simulated peak found is",
     ):
         _plan(num_microbatches=8, memory_limit=16)
 
