@@ -41,7 +41,7 @@ from ..schedule.task import Schedule
 from .balancer import on_rank_zero
 from .profiler import LossFn, profile
 from .results import Balance, Profile, _seconds
-from .splits import check_limits, search
+from .splits import check_limits, search, splits_backward
 
 __all__ = ["Candidate", "Plan", "plan"]
 
@@ -274,12 +274,10 @@ _BUILTIN_ORDER = (
 
 def _splits_backward(cls: type[Schedule]) -> bool:
     """Whether `cls` runs I and W tasks (on 2 ranks, 4 microbatches)."""
-    stages = _stage_counts(cls, 2)[0]
     try:
-        lists = cls(4).tasks(stages, 2, 4)
+        return splits_backward(cls(4), _stage_counts(cls, 2)[0], 2)
     except (TypeError, ValueError):
         return True  # cannot tell: measure
-    return any(t.kind in ("I", "W") for tasks in lists for t in tasks)
 
 
 def _stage_counts(cls: type[Schedule], num_ranks: int) -> list[int]:

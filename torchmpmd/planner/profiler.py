@@ -20,7 +20,7 @@ from ..graph.inputs import example_inputs
 from ..graph.markers import _tracing
 from ..graph.pipe import Pipe
 from .results import Profile, UnitTransfer
-from .split_profile import stage_times
+from .split_profile import stage_times, storage_of
 from .units import Recorder, candidate_units
 
 __all__ = ["LossFn", "profile"]
@@ -111,11 +111,7 @@ class _Profiler:
         counted: set[int] = set()
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            try:
-                storage = t.untyped_storage()
-                key, size = storage.data_ptr(), storage.nbytes()
-            except (RuntimeError, NotImplementedError):  # no plain storage
-                key, size = id(t), t.numel() * t.element_size()
+            key, size = storage_of(t)
             if key not in counted and key not in self.fixed_storages:
                 counted.add(key)
                 rec.saved[rec.current] = rec.saved.get(rec.current, 0) + size

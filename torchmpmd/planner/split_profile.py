@@ -30,6 +30,15 @@ from ..graph.split import SplitStage
 __all__: list[str] = []
 
 
+def storage_of(t: torch.Tensor) -> tuple[int, int]:
+    """A saved tensor's storage (key, bytes): views of one storage count once."""
+    try:
+        storage = t.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError):  # no plain storage
+        return id(t), t.numel() * t.element_size()
+
+
 def stage_times(
     pipe: Pipe,
     args: tuple[Any, ...],
@@ -136,11 +145,7 @@ def _stage_times(
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        try:
-            storage = t.untyped_storage()
-            key, size = storage.data_ptr(), storage.nbytes()
-        except (RuntimeError, NotImplementedError):  # no plain storage
-            key, size = id(t), t.numel() * t.element_size()
+        key, size = storage_of(t)
         if key not in fixed:
             saved[key] = size
         return t
