@@ -28,6 +28,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.func import functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .markers import TRACE_LOCK, compiled
 from .pipe import static_numel
@@ -69,6 +70,20 @@ SELECTIVE_KEPT_OPS = {
     torch.ops.aten._scaled_dot_product_cudnn_attention,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
 }
+
+
+def _keep_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    packet = getattr(op, "overloadpacket", op)
+    if packet in SELECTIVE_KEPT_OPS or torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_recompute_context() -> tuple[Any, Any]:
+    """`torch.utils.checkpoint`'s contexts for selective recompute of an eager
+    forward: the same ops kept as `keeps` keeps in a split stage's graphs."""
+    contexts: tuple[Any, Any] = create_selective_checkpoint_contexts(_keep_matmuls)  # type: ignore[no-untyped-call]
+    return contexts
 
 
 def keeps(node: fx.Node) -> bool:

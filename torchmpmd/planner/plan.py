@@ -16,12 +16,14 @@ tried, the profile's times, activations and transfers scaled by the
 microbatch's rows over the example's (linear: a model whose cost per row
 falls with the batch, as small matmuls do on a GPU, gets more microbatches
 than it should). Under a memory limit each candidate is also weighed with
-the stages of rank 0 and with every stage recomputed in full (R before each
-backward: `Plan.recompute`, for `RunnerOptions(recompute=...)`). When a
+the stages of rank 0 and with every stage recomputed, selectively (matmul,
+attention and convolution outputs kept, the rest recomputed in the backward:
+the profile times every unit that way too) or in full (R before each
+backward): `Plan.recompute`, for `RunnerOptions(recompute=...)`. When a
 weighed schedule splits its backward, the profile times each unit's I and W
 apart from its B (`split_profile`), so a zero-bubble schedule whose I + W
-costs more than the bubble it fills loses on the simulator. Not searched
-yet: selective recompute, a recompute set per rank beyond those two.
+costs more than the bubble it fills loses on the simulator. Not searched:
+a recompute set per rank beyond those two, or a mix of modes.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ class Candidate:
     split_before: list[str]
     predicted_step_time: float  # seconds, simulated (inf: did not run)
     predicted_peak_bytes: list[int]  # per rank, simulated activations
-    recompute: dict[int, str] = field(default_factory=dict)  # stage -> "full"
+    recompute: dict[int, str] = field(default_factory=dict)  # stage -> "full" / "selective"
     rejected: str = ""  # why it is not the plan ("" for the plan)
 
 
@@ -80,7 +82,7 @@ class Plan:
     num_ranks: int
     predicted_step_time: float
     predicted_peak_bytes: list[int]
-    # RunnerOptions(recompute=...): stage -> "full" ({}: none).
+    # RunnerOptions(recompute=...): stage -> "full" or "selective" ({}: none).
     recompute: dict[int, str] = field(default_factory=dict)
     alternatives: tuple[Candidate, ...] = ()  # the others, fastest first
     seconds_planning: float = field(default=0.0, compare=False)
@@ -191,6 +193,7 @@ def plan(
             loss_fn=loss_fn,
             example_target=example_target,
             split_backward=any(_splits_backward(cls) for cls in classes),
+            selective=memory_limit is not None,
         )
         rows = _rows(example_args, example_kwargs)
         found: list[tuple[Candidate, Balance | None]] = []
@@ -198,7 +201,7 @@ def plan(
             for stages in _stage_counts(cls, num_ranks):
                 for m in counts(stages):
                     scaled = _scaled(prof, batch_size / m / rows if batch_size and rows else 1.0)
-                    for recompute in _policies(cls, stages, m, num_ranks, memory_limit):
+                    for recompute in _policies(cls, stages, m, num_ranks, memory_limit, scaled):
                         found.append(
                             _weigh(
                                 cls,
@@ -338,24 +341,38 @@ def _scaled(prof: Profile, factor: float) -> Profile:
         transfers=tuple(
             dataclasses.replace(t, bytes=round(t.bytes * factor)) for t in prof.transfers
         ),
+        selective=None if prof.selective is None else _scaled(prof.selective, factor),
     )
 
 
 def _policies(
-    cls: type[Schedule], stages: int, m: int, num_ranks: int, memory_limit: float | None
-) -> list[frozenset[int]]:
-    """The stages to recompute in full that are weighed: none; under a memory
-    limit also those of rank 0 (which holds the most microbatches in flight
-    in 1F1B-like schedules) and every stage."""
+    cls: type[Schedule],
+    stages: int,
+    m: int,
+    num_ranks: int,
+    memory_limit: float | None,
+    prof: Profile,
+) -> list[dict[int, str]]:
+    """The recompute policies weighed (stage -> "selective" | "full"): none;
+    under a memory limit also the stages of rank 0 (which holds the most
+    microbatches in flight in 1F1B-like schedules) and every stage, each
+    recomputed selectively (when the profile has its costs) or in full."""
     if memory_limit is None:
-        return [frozenset()]
+        return [{}]
     try:
         placement = cls(m).placement(stages, num_ranks)
     except (TypeError, ValueError):
-        return [frozenset()]
-    first = frozenset(s for s in range(stages) if placement[s] == 0)
-    every = frozenset(range(stages))
-    return list(dict.fromkeys([frozenset(), first, every]))
+        return [{}]
+    first = [s for s in range(stages) if placement[s] == 0]
+    every = list(range(stages))
+    modes = ["selective", "full"] if prof.selective is not None else ["full"]
+    found: list[dict[int, str]] = [{}]
+    for mode in modes:
+        for chosen in (first, every):
+            policy = dict.fromkeys(chosen, mode)
+            if policy not in found:
+                found.append(policy)
+    return found
 
 
 def _weigh(
@@ -364,16 +381,17 @@ def _weigh(
     m: int,
     num_ranks: int,
     prof: Profile,
-    recompute: frozenset[int],
+    policy: dict[int, str],
     limits: tuple[float | None, float, float],
 ) -> tuple[Candidate, Balance | None]:
     """The best split of `prof` for `cls(m)` on `stages` stages, recomputing
-    `recompute`, or why none runs."""
+    as `policy` says (stage -> "full": R tasks; "selective": its costs), or
+    why none runs."""
     memory_limit, bandwidth, latency = limits
-    policy = dict.fromkeys(sorted(recompute), "full")
+    full = frozenset(s for s, mode in policy.items() if mode == "full")
     try:
         schedule = cls(m)
-        simulated = schedule.with_recompute(recompute) if recompute else schedule
+        simulated = schedule.with_recompute(full) if full else schedule
     except (TypeError, ValueError) as err:
         return _failed(cls, stages, m, f"{cls.__name__}({m}): {err}", policy), None
     if stages > len(prof.units):
@@ -387,6 +405,7 @@ def _weigh(
             memory_limit=memory_limit,
             bandwidth=bandwidth,
             latency=latency,
+            selective=[s for s, mode in policy.items() if mode == "selective"],
         )
     except ValueError as err:
         text = str(err).removeprefix("mpmd.balance: ")
@@ -438,7 +457,7 @@ def _simplicity(c: Candidate) -> tuple[int, bool, int, int, float]:
     return (
         c.num_stages,
         split,
-        len(c.recompute),
+        sum(2 if mode == "full" else 1 for mode in c.recompute.values()),
         max(c.predicted_peak_bytes),
         c.predicted_step_time,
     )
@@ -452,7 +471,15 @@ def _why_not(c: Candidate, best: Candidate, batch_size: int | None, tolerance: f
 
 
 def _stages(recompute: dict[int, str]) -> str:
-    return ", ".join(str(s) for s in sorted(recompute)) or "-"
+    """'full 0, 1; selective 2' ('-': none)."""
+    modes = sorted(set(recompute.values()))
+    return (
+        "; ".join(
+            f"{mode} " + ", ".join(str(s) for s in sorted(recompute) if recompute[s] == mode)
+            for mode in modes
+        )
+        or "-"
+    )
 
 
 def _per_row(c: Candidate, batch_size: int | None) -> float:
@@ -468,7 +495,7 @@ def _nothing_fits(found: list[tuple[Candidate, Balance | None]], limit: float | 
     peaks = [c for c, _ in found if c.predicted_peak_bytes]
     if peaks:
         low = min(peaks, key=lambda c: max(c.predicted_peak_bytes))
-        recompute = f", recomputing stages {_stages(low.recompute)}" if low.recompute else ""
+        recompute = f", recomputing {_stages(low.recompute)}" if low.recompute else ""
         return (
             f"mpmd.plan: no candidate runs{what}; the smallest simulated peak found is "
             f"{human_bytes(max(low.predicted_peak_bytes))} per rank ({low.name} on "

@@ -194,6 +194,7 @@ def profile(
     loss_fn: LossFn | None = None,
     example_target: Any = None,
     split_backward: bool = False,
+    selective: bool = False,
 ) -> Profile:
     """Measures the candidate units of `model` on one microbatch.
 
@@ -209,7 +210,10 @@ def profile(
     With `split_backward`, every unit is also timed as a stage on the graphs
     the runtime runs (`split_profile`): F, B, and the split backward's I and
     W apart from B; those times are the profile's (the hooks' are kept only
-    where the model cannot be traced at every unit).
+    where the model cannot be traced at every unit). With `selective`, the
+    unit-stages are timed that way too, and once more under selective
+    recompute (`Profile.selective`, what the planner weighs against a
+    memory limit).
     The model's parameters, gradients, buffers and random state are left as
     they were.
     """
@@ -250,6 +254,7 @@ def profile(
 
     traced = _traced_transfers(model, args, kwargs, units)
     graph_times: list[tuple[float, float, float, float, int]] | None = None
+    selective_times: list[tuple[float, float, float, float, int]] | None = None
     if traced is None:  # not traceable at every unit: the bytes each unit reads
         kept = units
         transfers = tuple(
@@ -259,9 +264,14 @@ def profile(
         tied: tuple[tuple[tuple[int, ...], int], ...] = ()
     else:
         kept, transfers, tied, pipe = traced
-        if split_backward:
+        if split_backward or selective:
             with torch.random.fork_rng(devices=prof.cuda_devices), _buffers_restored(model):
                 graph_times = stage_times(pipe, args, kwargs, repeats, prof.sync, loss)
+        if selective and graph_times is not None:
+            with torch.random.fork_rng(devices=prof.cuda_devices), _buffers_restored(model):
+                selective_times = stage_times(
+                    pipe, args, kwargs, repeats, prof.sync, loss, selective=True
+                )
     owner: list[int] = []  # a unit that cannot start a stage joins the one before
     for u in units:
         owner.append(kept.index(u) if u in kept else owner[-1])
@@ -283,15 +293,26 @@ def profile(
         )
     # Every time and activation from the traced unit-stages, as the
     # runtime runs them.
+    return _from_stages(kept, graph_times, transfers, tied, selective_times)
+
+
+def _from_stages(
+    units: Sequence[str],
+    times: Sequence[tuple[float, float, float, float, int]],
+    transfers: tuple[UnitTransfer, ...],
+    tied: tuple[tuple[tuple[int, ...], int], ...],
+    selective: Sequence[tuple[float, float, float, float, int]] | None = None,
+) -> Profile:
     return Profile(
-        units=tuple(kept),
-        forward=tuple(t[0] for t in graph_times),
-        backward=tuple(t[1] for t in graph_times),
-        activation_bytes=tuple(t[4] for t in graph_times),
+        units=tuple(units),
+        forward=tuple(t[0] for t in times),
+        backward=tuple(t[1] for t in times),
+        activation_bytes=tuple(t[4] for t in times),
         transfers=transfers,
         tied=tied,
-        input_grad=tuple(t[2] for t in graph_times),
-        weight_grad=tuple(t[3] for t in graph_times),
+        input_grad=tuple(t[2] for t in times),
+        weight_grad=tuple(t[3] for t in times),
+        selective=_from_stages(units, selective, transfers, tied) if selective else None,
     )
 
 

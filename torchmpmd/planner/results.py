@@ -45,11 +45,17 @@ class Profile:
     # no input gradient: its W is the whole backward.
     input_grad: tuple[float, ...] | None = None
     weight_grad: tuple[float, ...] | None = None
+    # The same units under selective recompute (None: not measured): their
+    # forward, backward (recomputing what is not kept), I, W and the bytes
+    # kept. Its transfers are the same as this profile's.
+    selective: Profile | None = None
 
     def __post_init__(self) -> None:
         n = len(self.units)
         if n < 1:
             raise ValueError("Profile: needs at least one unit")
+        if self.selective is not None and self.selective.units != self.units:
+            raise ValueError("Profile.selective must profile the same units")
         if (self.input_grad is None) != (self.weight_grad is None):
             raise ValueError("Profile: give input_grad and weight_grad together, or neither")
         for name in ("forward", "backward", "activation_bytes", "input_grad", "weight_grad"):

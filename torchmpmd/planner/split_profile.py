@@ -23,9 +23,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
 from ..graph.pipe import Pipe, StageSpec
-from ..graph.split import SplitStage
+from ..graph.split import SplitStage, selective_recompute_context
 
 __all__: list[str] = []
 
@@ -46,6 +47,7 @@ def stage_times(
     repeats: int,
     sync: Callable[[], None],
     loss: tuple[Callable[[Any, Any], torch.Tensor], Any] | None = None,
+    selective: bool = False,
 ) -> list[tuple[float, float, float, float, int]] | None:
     """Per stage of `pipe`: F, B, I and W seconds, each timed apart (medians
     of `repeats`) on the stage's traced graph, as the runtime runs it, and
@@ -53,7 +55,11 @@ def stage_times(
     buffers apart); with `loss` (loss_fn, target) the last stage computes
     the loss too, as the runtime's last stage does. None where a stage
     cannot be split (its shapes depend on the data): such a stage runs B
-    under every schedule."""
+    under every schedule. With `selective`, each stage runs as under
+    `RunnerOptions(recompute="selective")`: its autograd forward inside
+    `torch.utils.checkpoint` with the runtime's selective policy, its split
+    graphs traced selective, and the bytes are what its split F keeps (the
+    kept ops' outputs and the inputs the backward reads)."""
     flat = [
         v.contiguous() if isinstance(v, torch.Tensor) else v
         for v in pipe.flatten_inputs(args, kwargs)
@@ -74,7 +80,7 @@ def stage_times(
             zip(range(spec.num_user_inputs, len(values)), spec.recv_values, strict=True)
         )
         finish = _with_loss(pipe, spec, dict(env), loss if k == last else None)
-        times = _stage_times(gm, values, received, grad_values, finish, repeats, sync)
+        times = _stage_times(gm, values, received, grad_values, finish, (repeats, selective), sync)
         if times is None:
             return None
         out.append(times)
@@ -108,9 +114,10 @@ def _stage_times(
     received: dict[int, int],
     grad_values: set[int],
     finish: Callable[[Sequence[Any]], list[torch.Tensor]],
-    repeats: int,
+    how: tuple[int, bool],
     sync: Callable[[], None],
 ) -> tuple[float, float, float, float, int] | None:
+    repeats, selective = how
     slots = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
     xs = [values[i] for i in slots]
     grad_inputs = [
@@ -132,7 +139,7 @@ def _stage_times(
         return finish(torch.func.functional_call(gm, state, tuple(call)))
 
     try:
-        split = SplitStage(gm, fn, xs, grad_inputs, None)
+        split = SplitStage(gm, fn, xs, grad_inputs, None, selective=selective)
     except (ValueError, RuntimeError):  # data-dependent shapes: B only
         return None
     with torch.no_grad():
@@ -163,7 +170,13 @@ def _stage_times(
         sync()
         start = time.perf_counter()
         with torch.enable_grad(), hooks:
-            outs = finish(gm(*call))
+            if selective:  # as the runtime's stage call under selective recompute
+                raw = torch.utils.checkpoint.checkpoint(
+                    gm, *call, use_reentrant=False, context_fn=selective_recompute_context
+                )
+                outs = finish(raw)
+            else:
+                outs = finish(gm(*call))
         sync()
         forward = time.perf_counter() - start
         pairs = [
@@ -177,8 +190,11 @@ def _stage_times(
         sync()
         return forward, time.perf_counter() - start
 
-    def halves() -> tuple[float, float]:
+    def halves(count: bool = False) -> tuple[float, float]:
         saved = split.forward(xs)
+        if count and selective:  # what the selective F keeps for I and W
+            for t in saved[len(tensor_outs) :]:
+                pack(t)
         sync()
         start = time.perf_counter()
         _, for_w = split.input_grad(saved[len(tensor_outs) :], grads)
@@ -196,10 +212,10 @@ def _stage_times(
         for r in range(repeats + 1):  # the first round warms up
             for p in params:
                 p.grad = None
-            tf, tb = full(count=r == 0)
+            tf, tb = full(count=r == 0 and not selective)
             for p in params:
                 p.grad = None
-            ti, tw = halves()
+            ti, tw = halves(count=r == 0)
             if r:
                 f.append(tf)
                 b.append(tb)

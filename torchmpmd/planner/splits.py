@@ -8,7 +8,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,13 +45,29 @@ class _Eval:
         return (over, self.step, max(self.peak, default=0), self.crossing, self.starts)
 
 
+class _Sums:
+    """Prefix sums of a profile's per-unit costs."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.f = [0.0, *itertools.accumulate(profile.forward)]
+        self.b = [0.0, *itertools.accumulate(profile.backward)]
+        self.a = [0, *itertools.accumulate(profile.activation_bytes)]
+        self.i = [0.0, *itertools.accumulate(profile.input_grad or ())]
+        self.w = [0.0, *itertools.accumulate(profile.weight_grad or ())]
+
+
 class _Simulator:
     """Predicted step of splits of a profile, memoised: each split is a
     `StageGraph` whose edges carry the bytes of the values crossing its cuts
     (skip connections included), lowered by one `Lowering` of the schedule."""
 
     def __init__(
-        self, profile: Profile, lowering: Lowering, bandwidth: float, latency: float
+        self,
+        profile: Profile,
+        lowering: Lowering,
+        bandwidth: float,
+        latency: float,
+        selective: frozenset[int] = frozenset(),
     ) -> None:
         self.profile = profile
         self.n = lowering.num_stages
@@ -59,28 +75,31 @@ class _Simulator:
         self.bandwidth = bandwidth
         self.latency = latency
         self.cache: dict[tuple[int, ...], _Eval] = {}
-        self._f = [0.0, *itertools.accumulate(profile.forward)]
-        self._b = [0.0, *itertools.accumulate(profile.backward)]
-        self._a = [0, *itertools.accumulate(profile.activation_bytes)]
-        self._i = [0.0, *itertools.accumulate(profile.input_grad or ())]
-        self._w = [0.0, *itertools.accumulate(profile.weight_grad or ())]
+        # Per stage, the prefix sums of its own profile: the selective
+        # recompute one for the stages in `selective`.
+        plain = _Sums(profile)
+        chosen = _Sums(profile.selective) if selective and profile.selective else plain
+        self._sums = [chosen if k in selective else plain for k in range(self.n)]
+        self._split = profile.input_grad is not None
+
+    def _spans(self, starts: tuple[int, ...]) -> list[tuple[_Sums, int, int]]:
+        bounds = [*starts, len(self.profile.units)]
+        return [(self._sums[k], s, e) for k, (s, e) in enumerate(itertools.pairwise(bounds))]
 
     def stages(self, starts: tuple[int, ...]) -> list[tuple[float, float, int]]:
         """Per stage: forward, backward, activation bytes."""
-        bounds = [*starts, len(self.profile.units)]
         return [
-            (self._f[e] - self._f[s], self._b[e] - self._b[s], self._a[e] - self._a[s])
-            for s, e in itertools.pairwise(bounds)
+            (p.f[e] - p.f[s], p.b[e] - p.b[s], p.a[e] - p.a[s]) for p, s, e in self._spans(starts)
         ]
 
     def split_backward(self, starts: tuple[int, ...]) -> tuple[list[float], list[float]] | None:
         """Per stage, I and W as measured (None: not measured). The first
         stage reads no input gradient: its I is empty, its W the whole backward."""
-        if self.profile.input_grad is None:
+        if not self._split:
             return None
-        bounds = [*starts, len(self.profile.units)]
-        i = [self._i[e] - self._i[s] for s, e in itertools.pairwise(bounds)]
-        w = [self._w[e] - self._w[s] for s, e in itertools.pairwise(bounds)]
+        spans = self._spans(starts)
+        i = [p.i[e] - p.i[s] for p, s, e in spans]
+        w = [p.w[e] - p.w[s] for p, s, e in spans]
         w[0] += i[0]
         i[0] = 0.0
         return i, w
@@ -267,6 +286,7 @@ def search(
     memory_limit: float | None = None,
     bandwidth: float = 0.0,
     latency: float = 0.0,
+    selective: Collection[int] = (),
 ) -> Balance:
     """The split of `profile`'s units into `num_stages` stages with the shortest
     simulated step under `schedule` on `num_ranks` ranks.
@@ -277,6 +297,8 @@ def search(
     `memory_limit` (bytes per rank), only splits whose simulated peak
     activation bytes stay within it on every rank. `bandwidth` (bytes per
     second, 0: free) and `latency` (seconds per message) price transfers.
+    The stages in `selective` are priced under selective recompute
+    (`profile.selective`'s costs).
     """
     num_stages = check_num_stages(num_stages)
     schedule, lowering = resolve_schedule(schedule, num_stages, num_ranks)
@@ -289,7 +311,8 @@ def search(
             f"one: use num_stages <= {units}, or cut inside a unit by hand with "
             "mpmd.trace(..., split_before=[...]) or mpmd.mark_stage_end"
         )
-    sim = _Simulator(profile, lowering, float(bandwidth), float(latency))
+    chosen = _selective(profile, selective, num_stages)
+    sim = _Simulator(profile, lowering, float(bandwidth), float(latency), chosen)
     limit = float(memory_limit) if memory_limit is not None else None
     even = _even_starts(units, num_stages)
     if math.comb(units - 1, num_stages - 1) <= EXHAUSTIVE_LIMIT:
@@ -349,9 +372,11 @@ def simulate(
     num_ranks: int | None = None,
     bandwidth: float = 0.0,
     latency: float = 0.0,
+    selective: Collection[int] = (),
 ) -> Timeline:
     """The simulated step of one split of `profile` (units named as in
-    `split_before`), priced as `search` prices every split."""
+    `split_before`), priced as `search` prices every split (the stages in
+    `selective` under selective recompute)."""
     if isinstance(split_before, str):
         raise TypeError(f"mpmd.balance: split_before must be a list, write [{split_before!r}]")
     unknown = [u for u in split_before if u not in profile.units[1:]]
@@ -368,4 +393,19 @@ def simulate(
         )
     num_stages = len(starts)
     _, lowering = resolve_schedule(schedule, num_stages, num_ranks)
-    return _Simulator(profile, lowering, float(bandwidth), float(latency)).timeline(starts)
+    chosen = _selective(profile, selective, num_stages)
+    return _Simulator(profile, lowering, float(bandwidth), float(latency), chosen).timeline(starts)
+
+
+def _selective(profile: Profile, selective: Collection[int], num_stages: int) -> frozenset[int]:
+    chosen = frozenset(selective)
+    if chosen and profile.selective is None:
+        raise ValueError(
+            f"mpmd.balance: selective={sorted(chosen)} but the profile has no selective "
+            "recompute costs; profile with selective=True"
+        )
+    if any(not 0 <= k < num_stages for k in chosen):
+        raise ValueError(
+            f"mpmd.balance: selective={sorted(chosen)} names stages outside 0..{num_stages - 1}"
+        )
+    return chosen

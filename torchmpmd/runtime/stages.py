@@ -17,11 +17,10 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from ..graph.markers import compiled
 from ..graph.pipe import Pipe
-from ..graph.split import SELECTIVE_KEPT_OPS, SplitStage
+from ..graph.split import SplitStage, selective_recompute_context
 from ..graph.stage import as_stage
 from .autograd_split import AutogradSplit
 from .materialize import allocate
@@ -183,18 +182,6 @@ class LocalStages:
                 "pass loss_fn=... that reduces the model output to a scalar"
             )
         return loss.reshape(())
-
-
-def _keep_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    packet = getattr(op, "overloadpacket", op)
-    if packet in SELECTIVE_KEPT_OPS or torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def selective_recompute_context() -> tuple[Any, Any]:
-    contexts: tuple[Any, Any] = create_selective_checkpoint_contexts(_keep_matmuls)  # type: ignore[no-untyped-call]
-    return contexts
 
 
 def _recorded(method: Any) -> Any:
