@@ -10,7 +10,9 @@ built-in schedule, the split the planner found best for it: those are the
 built-ins "with their own balanced split". Every built-in, 1F1B with the
 even split, and the plan then take turns, one step each per round, each
 round starting one row later; a row's step is its median over `--rounds`
-rounds after `--warmup`. The plan is one of the built-ins: the two rows
+rounds after `--warmup`. The plan refined by measurement (`mpmd.refine`,
+3 rounds of its close candidates) is a row too. The plan is one of the
+built-ins: the two rows
 run the same configuration in two runners, and their gap is the
 measurement's own spread. Each row also
 gives its measured step over the planner's prediction, and over the
@@ -18,7 +20,8 @@ simulator given the task costs measured in those same steps; the I + W of
 ZB-H1 against 1F1B's B per stage, inside the runtime; and the planner's own
 I + W / B, profiled. Then the model is planned again with `memory_limit`
 = 0.6 x 1F1B's measured peak activation bytes, and the plan's measured peak
-is read from the allocator (`measure_memory=True`).
+is read from the allocator (`measure_memory=True`); that plan is given the
+global batch (`batch_size`), so it may take smaller microbatches.
 """
 
 from __future__ import annotations
@@ -105,6 +108,11 @@ def run_case(
         bandwidth=link[1],
     )
     plan_s = time.perf_counter() - start
+    start = time.perf_counter()
+    refined = mpmd.refine(
+        plan, case.model, *case.batch, target=case.target, loss_fn=case.loss, rounds=3
+    )
+    refine_s = time.perf_counter() - start
     found = plan.balance
     assert found is not None
     profile = found.profile
@@ -121,9 +129,11 @@ def run_case(
     units = profile.units
     rows["1F1B even"] = (S.OneFOneB(m), _even(units), float("nan"))
     rows["plan"] = (plan.schedule, plan.split_before, plan.predicted_step_time)
+    rows["plan + refine"] = (refined.schedule, refined.split_before, refined.predicted_step_time)
+    recompute = {"plan": plan.recompute, "plan + refine": refined.recompute}
     names = list(rows)
     runners = {
-        n: _runner(case, example, s, split, recompute=plan.recompute if n == "plan" else False)
+        n: _runner(case, example, s, split, recompute=recompute.get(n) or False)
         for n, (s, split, _) in rows.items()
     }
     times: dict[str, list[float]] = defaultdict(list)
@@ -194,11 +204,13 @@ def run_case(
     limit = 0.6 * peak_1f1b
     memory: dict[str, Any] = {"peak_1f1b": peak_1f1b, "limit": limit}
     try:
+        # The global batch is given, not the microbatch count: under a
+        # memory limit the planner may take smaller microbatches.
         capped = mpmd.plan(
             case.model,
             example,
             2,
-            num_microbatches=m,
+            batch_size=m * b,
             memory_limit=limit,
             loss_fn=case.loss,
             example_target=target,
@@ -208,9 +220,10 @@ def run_case(
     except ValueError as err:
         memory["error"] = str(err)
     else:
+        rows_capped = m * b // capped.num_microbatches
         runner = _runner(
             case,
-            example,
+            tuple(t[:rows_capped] for t in case.batch),
             capped.schedule,
             capped.split_before,
             measure_memory=True,
@@ -220,6 +233,7 @@ def run_case(
             runner.step(*case.batch, target=case.target)
         memory.update(
             schedule=repr(capped.schedule),
+            microbatches=capped.num_microbatches,
             recompute=capped.recompute,
             predicted=capped.predicted_peak_bytes,
             measured=runner.gather_timeline().peak_activation_bytes,
@@ -230,6 +244,10 @@ def run_case(
         "plan": repr(plan.schedule),
         "plan_split": plan.split_before,
         "plan_s": plan_s,
+        "refined": repr(refined.schedule),
+        "refined_split": refined.split_before,
+        "refine_s": refine_s,
+        "refine_table": repr(refined),
         "rows": out_rows,
         "split_backward_runtime": split,
         "split_backward_profiled": profiled,
@@ -241,7 +259,9 @@ def run_case(
 def report(r: dict[str, Any], args: argparse.Namespace) -> None:
     print(
         f"\n{r['model']}: plan {r['plan']} split_before={r['plan_split']} "
-        f"(planned in {r['plan_s']:.1f} s); {args.microbatches} microbatches of "
+        f"(planned in {r['plan_s']:.1f} s); refined {r['refined']} "
+        f"split_before={r['refined_split']} (in {r['refine_s']:.1f} s); "
+        f"{args.microbatches} microbatches of "
         f"{args.microbatch_size}, medians of {args.rounds} rounds taken in turns"
     )
     print(
@@ -269,6 +289,7 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
         print(
             f"  memory_limit = 0.6 x 1F1B's peak ({mem['peak_1f1b'] / 2**20:.1f} MiB) = "
             f"{mem['limit'] / 2**20:.1f} MiB: plan {mem['schedule']} recompute {mem['recompute']}, "
+            f"predicted peak {max(mem['predicted']) / 2**20:.2f} MiB, "
             f"measured peak {peak / 2**20:.1f} MiB = {peak / mem['limit']:.3f} x the limit"
         )
 

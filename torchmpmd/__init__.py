@@ -27,6 +27,7 @@ from .planner import (
     project,
     trace,
 )
+from .refine import refine
 from .runtime import CpuTuning, PipelineRunner, RunnerOptions, StepOutput, tune_cpu
 from .schedule import (
     Costs,
@@ -72,6 +73,7 @@ __all__ = [
     "mark_stage_end",
     "plan",
     "project",
+    "refine",
     "schedules",
     "trace",
     "tune_cpu",

@@ -11,8 +11,8 @@ ranked, with why they lost.
 
 With `batch_size` (rows of the global batch) and no `num_microbatches`,
 each count `m` that divides the batch and keeps at least one microbatch in
-flight per rank (`num_ranks <= m <= 4 * num_ranks * stages per rank`) is
-tried, the profile's times, activations and transfers scaled by the
+flight per rank (`num_ranks <= m <= 4 * num_ranks * stages per rank`; under
+a memory limit up to one row per microbatch) is tried, the profile's times, activations and transfers scaled by the
 microbatch's rows over the example's (linear: a model whose cost per row
 falls with the batch, as small matmuls do on a GPU, gets more microbatches
 than it should). Under a memory limit each candidate is also weighed with
@@ -66,6 +66,7 @@ class Candidate:
     predicted_peak_bytes: list[int]  # per rank, simulated activations
     recompute: dict[int, str] = field(default_factory=dict)  # stage -> "full" / "selective"
     rejected: str = ""  # why it is not the plan ("" for the plan)
+    measured_step_time: float | None = None  # seconds, median (`mpmd.refine`)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -86,6 +87,8 @@ class Plan:
     recompute: dict[int, str] = field(default_factory=dict)
     alternatives: tuple[Candidate, ...] = ()  # the others, fastest first
     seconds_planning: float = field(default=0.0, compare=False)
+    # Its measured median step (`mpmd.refine`; None: not measured).
+    measured_step_time: float | None = field(default=None, compare=False)
     balance: Balance | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -93,51 +96,45 @@ class Plan:
         return len(self.split_before) + 1
 
     def __repr__(self) -> str:
-        rows = [
-            (
-                "plan",
-                repr(self.schedule),
-                self.num_stages,
-                self.num_microbatches,
-                _seconds(self.predicted_step_time),
-                ", ".join(human_bytes(b) for b in self.predicted_peak_bytes),
-                _stages(self.recompute),
-                "",
-            )
-        ]
-        for c in self.alternatives:
-            rows.append(
-                (
-                    "",
-                    c.name,
-                    c.num_stages,
-                    c.num_microbatches,
-                    _seconds(c.predicted_step_time)
-                    if c.predicted_step_time < float("inf")
-                    else "-",
-                    ", ".join(human_bytes(b) for b in c.predicted_peak_bytes),
-                    _stages(c.recompute),
-                    c.rejected,
-                )
-            )
+        measured = self.measured_step_time is not None
+        rows = [_row("plan", repr(self.schedule), self, measured, "")]
+        rows += [_row("", c.name, c, measured, c.rejected) for c in self.alternatives]
         head = (
             f"Plan: {self.schedule!r}, {self.num_stages} stages on {self.num_ranks} ranks, "
             f"split_before={self.split_before} (planned in {self.seconds_planning:.1f} s)\n"
         )
-        return head + table(
-            "candidates (simulated):",
-            [
-                "",
-                "schedule",
-                "stages",
-                "microbatches",
-                "step",
-                "peak per rank",
-                "recompute",
-                "rejected",
-            ],
-            rows,
+        columns = ["", "schedule", "stages", "microbatches", "step"]
+        columns += ["measured"] if measured else []
+        columns += ["peak per rank", "recompute", "rejected"]
+        what = (
+            "candidates (simulated; measured by mpmd.refine):"
+            if measured
+            else ("candidates (simulated):")
         )
+        return head + table(what, columns, rows)
+
+
+def _row(
+    label: str, name: str, c: Plan | Candidate, measured: bool, rejected: str
+) -> tuple[Any, ...]:
+    """One row of the table: the plan's or a candidate's."""
+    step = c.predicted_step_time
+    cells: list[Any] = [
+        label,
+        name,
+        c.num_stages,
+        c.num_microbatches,
+        _seconds(step) if step < float("inf") else "-",
+    ]
+    if measured:
+        m = c.measured_step_time
+        cells.append(_seconds(m) if m is not None else "")
+    cells += [
+        ", ".join(human_bytes(b) for b in c.predicted_peak_bytes),
+        _stages(c.recompute),
+        rejected,
+    ]
+    return tuple(cells)
 
 
 def plan(
@@ -180,7 +177,7 @@ def plan(
     if not isinstance(tolerance, int | float) or not 0 <= tolerance < 1:
         raise ValueError(f"mpmd.plan: tolerance must be in [0, 1), got {tolerance!r}")
     classes = _classes(schedules)
-    counts = _counts(num_microbatches, batch_size, num_ranks)
+    counts = _counts(num_microbatches, batch_size, num_ranks, memory_limit is not None)
 
     def run() -> Plan:
         start = time.perf_counter()
@@ -291,8 +288,12 @@ def _stage_counts(cls: type[Schedule], num_ranks: int) -> list[int]:
     return [num_ranks]
 
 
-def _counts(num_microbatches: int | None, batch_size: int | None, num_ranks: int) -> Any:
-    """stages -> the microbatch counts to try."""
+def _counts(
+    num_microbatches: int | None, batch_size: int | None, num_ranks: int, capped: bool
+) -> Any:
+    """stages -> the microbatch counts to try: those that divide the batch,
+    from one per rank up to 4 per stage, or, under a memory limit, up to
+    one row per microbatch (smaller microbatches hold fewer activations)."""
     if num_microbatches is not None:
         if not isinstance(num_microbatches, int) or num_microbatches < 1:
             raise ValueError(
@@ -310,7 +311,7 @@ def _counts(num_microbatches: int | None, batch_size: int | None, num_ranks: int
         raise ValueError(f"mpmd.plan: batch_size must be a positive int, got {batch_size!r}")
 
     def counts(stages: int) -> list[int]:
-        top = 4 * stages
+        top = batch_size if capped else 4 * stages
         found = [m for m in range(num_ranks, top + 1) if batch_size % m == 0]
         return found or [batch_size]
 

@@ -1,0 +1,248 @@
+"""`mpmd.refine`: a plan's close candidates run for a few steps, in turns,
+and the measured fastest (the simplest within a tolerance) is the plan.
+
+`mpmd.plan` weighs every candidate on the simulator from a profile taken on
+one rank alone. The simulator predicts a step from the task costs a run
+measures to within a few percent, but a profile does not see what the
+runtime adds per task and per transfer when ranks share cores, caches and
+links (on 2 CPU cores with Gloo, 4-stage schedules measured 10-20% over
+their prediction where 2-stage ones measured 4-13%). `refine` takes, from
+each family of candidates (stages per rank, split backward or not), the one
+predicted fastest within `slack` of the plan, runs each on the real job for
+`rounds` steps in turns (one step of each per round, each round starting
+one later) and keeps the measured medians. Collective: every rank of the
+pipeline's group calls it with its part of the same batch, and rank 0's
+choice is every rank's. The model's parameters, gradients, buffers and the
+random state are as they were before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .planner import trace
+from .planner.plan import Candidate, Plan, _simplicity
+from .planner.splits import splits_backward
+from .runtime import PipelineRunner, RunnerOptions
+
+__all__ = ["refine"]
+
+
+def refine(
+    plan: Plan,
+    model: torch.nn.Module,
+    *batch_args: Any,
+    target: Any = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    rounds: int = 5,
+    warmup: int = 1,
+    slack: float = 1.25,
+    tolerance: float = 0.03,
+    options: RunnerOptions | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> Plan:
+    """`plan` with its pieces replaced by those of the candidate that measured
+    fastest on this job's `batch_args` (a whole global batch, as
+    `runner.step` takes it; `target` and `loss_fn` as the runner's). Within
+    `tolerance` of the fastest measured, the simplest wins (fewest stages,
+    no split backward, least recompute), as in `mpmd.plan`. The candidates
+    are the plan and, per family (stage count, split backward), the fastest
+    predicted within `slack` x the plan's prediction. `options` are the
+    runners' (their `recompute` is each candidate's own). Every candidate's
+    median is in `.measured`; a candidate other than the plan comes back
+    without `.balance`."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"mpmd.refine: plan must be what mpmd.plan returned, got {plan!r}")
+    if not isinstance(rounds, int) or rounds < 1 or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(
+            f"mpmd.refine: rounds must be a positive int and warmup a non-negative int, got "
+            f"rounds={rounds!r}, warmup={warmup!r}"
+        )
+    if not isinstance(slack, int | float) or slack < 1:
+        raise ValueError(f"mpmd.refine: slack must be a number >= 1, got {slack!r}")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "mpmd.refine runs the candidates on the job's ranks: call it on every rank under "
+            f"torchrun (torch.distributed initialised, {plan.num_ranks} ranks in the pipeline's "
+            "group); without them, use the plan as mpmd.plan gave it"
+        )
+    size = dist.get_world_size(group)
+    if size != plan.num_ranks:
+        raise ValueError(
+            f"mpmd.refine: the plan is for {plan.num_ranks} ranks but the group has {size}; "
+            "pass the pipeline's group (group=...)"
+        )
+    rows = _rows(batch_args)
+    chosen = _candidates(plan, slack, rows)
+    base = options or RunnerOptions()
+    with _model_kept(model):
+        runners = [_runner(c, model, batch_args, rows, loss_fn, base, group) for _, c in chosen]
+        times = _measure(runners, batch_args, target, rounds, warmup, group)
+    medians: list[Any] = [[statistics.median(t) for t in times]]
+    dist.broadcast_object_list(medians, src=dist.get_global_rank(group, 0) if group else 0)
+    measured = [
+        dataclasses.replace(c, measured_step_time=m)
+        for (_, c), m in zip(chosen, medians[0], strict=True)
+    ]
+    fastest = min(c.measured_step_time or 0.0 for c in measured)
+    close = [c for c in measured if (c.measured_step_time or 0.0) <= fastest * (1 + tolerance)]
+    best = min(close, key=_simplicity)
+    assert best.schedule is not None
+    kept = plan.balance if best is measured[0] else None
+    others = [
+        dataclasses.replace(c, rejected=_measured_why(c, best, tolerance))
+        for c in measured
+        if c is not best
+    ]
+    named = {(c.name, c.num_stages, tuple(c.split_before)) for c in measured}
+    rest = [
+        c
+        for c in (_as_candidate(plan), *plan.alternatives)
+        if (c.name, c.num_stages, tuple(c.split_before)) not in named
+    ]
+    return dataclasses.replace(
+        plan,
+        schedule=best.schedule,
+        split_before=best.split_before,
+        num_microbatches=best.num_microbatches,
+        recompute=best.recompute,
+        predicted_step_time=best.predicted_step_time,
+        predicted_peak_bytes=best.predicted_peak_bytes,
+        measured_step_time=best.measured_step_time,
+        alternatives=tuple(others + rest),
+        balance=kept,
+    )
+
+
+def _as_candidate(plan: Plan) -> Candidate:
+    return Candidate(
+        name=repr(plan.schedule),
+        schedule=plan.schedule,
+        num_stages=plan.num_stages,
+        num_microbatches=plan.num_microbatches,
+        split_before=plan.split_before,
+        predicted_step_time=plan.predicted_step_time,
+        predicted_peak_bytes=plan.predicted_peak_bytes,
+        recompute=plan.recompute,
+    )
+
+
+def _rows(batch_args: tuple[Any, ...]) -> int:
+    for a in batch_args:
+        if isinstance(a, torch.Tensor) and a.dim() > 0:
+            return int(a.shape[0])
+    raise ValueError(
+        "mpmd.refine: batch_args must hold the global batch as tensors (rows in dim 0), as "
+        "runner.step takes it"
+    )
+
+
+def _candidates(plan: Plan, slack: float, rows: int) -> list[tuple[tuple[int, bool], Candidate]]:
+    """The plan, then per family the fastest predicted within `slack` of it
+    (whose microbatch count divides the batch)."""
+    first = _as_candidate(plan)
+    if rows % plan.num_microbatches:
+        raise ValueError(
+            f"mpmd.refine: the batch has {rows} rows, which do not divide into the plan's "
+            f"{plan.num_microbatches} microbatches"
+        )
+    family = _families(plan.num_ranks)
+    out = [(family(first), first)]
+    per_mb = plan.predicted_step_time / plan.num_microbatches
+    for c in sorted(
+        (c for c in plan.alternatives if c.schedule is not None and c.predicted_step_time > 0),
+        key=lambda c: c.predicted_step_time / c.num_microbatches,
+    ):
+        if rows % c.num_microbatches or c.predicted_step_time / c.num_microbatches > slack * per_mb:
+            continue
+        if family(c) not in {f for f, _ in out}:
+            out.append((family(c), c))
+    return out
+
+
+def _families(num_ranks: int) -> Callable[[Candidate], tuple[int, bool]]:
+    def family(c: Candidate) -> tuple[int, bool]:
+        assert c.schedule is not None
+        return c.num_stages, splits_backward(c.schedule, c.num_stages, num_ranks)
+
+    return family
+
+
+def _runner(
+    c: Candidate,
+    model: torch.nn.Module,
+    batch_args: tuple[Any, ...],
+    rows: int,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    base: RunnerOptions,
+    group: dist.ProcessGroup | None,
+) -> PipelineRunner:
+    assert c.schedule is not None
+    mb = rows // c.num_microbatches
+    example = tuple(
+        a[:mb] if isinstance(a, torch.Tensor) and a.dim() > 0 else a for a in batch_args
+    )
+    pipe = trace(model, example, split_before=c.split_before)
+    opts = dataclasses.replace(base, recompute=dict(c.recompute) or False)
+    return PipelineRunner(pipe, c.schedule, loss_fn=loss_fn, options=opts, group=group)
+
+
+def _measure(
+    runners: list[PipelineRunner],
+    batch_args: tuple[Any, ...],
+    target: Any,
+    rounds: int,
+    warmup: int,
+    group: dist.ProcessGroup | None,
+) -> list[list[float]]:
+    times: list[list[float]] = [[] for _ in runners]
+    order = list(range(len(runners)))
+    for r in range(warmup + rounds):
+        shift = r % len(order)
+        for k in order[shift:] + order[:shift]:
+            dist.barrier(group)
+            start = time.perf_counter()
+            runners[k].step(*batch_args, target=target)
+            elapsed = time.perf_counter() - start
+            for p in runners[k].parameters():
+                p.grad = None
+            if r >= warmup:
+                times[k].append(elapsed)
+    return times
+
+
+class _model_kept:
+    """Parameters, gradients, buffers and random state as they were."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def __enter__(self) -> None:
+        self.params = [(p, p.detach().clone()) for p in self.model.parameters()]
+        self.grads = [(p, p.grad) for p in self.model.parameters()]
+        self.buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+        self.rng = torch.get_rng_state()
+        for p in self.model.parameters():
+            p.grad = None
+
+    def __exit__(self, *exc: object) -> None:
+        with torch.no_grad():
+            for t, value in [*self.params, *self.buffers]:
+                t.copy_(value)
+        for p, g in self.grads:
+            p.grad = g
+        torch.set_rng_state(self.rng)
+
+
+def _measured_why(c: Candidate, best: Candidate, tolerance: float) -> str:
+    ratio = (c.measured_step_time or 0.0) / max(best.measured_step_time or 0.0, 1e-30)
+    if ratio > 1 + tolerance:
+        return f"measured {ratio:.3f}x slower"
+    return f"measured {ratio:.3f}x, within tolerance: the plan is simpler"
