@@ -15,9 +15,12 @@ rounds after `--warmup`. The plan refined by measurement (`mpmd.refine`,
 built-ins: the two rows
 run the same configuration in two runners, and their gap is the
 measurement's own spread. Each row also
-gives its measured step over the planner's prediction, and over the
+gives its step over the fastest built-in's two ways: the ratio of medians,
+and "paired", the median over rounds of the two steps' ratio in the same
+round (host drifts slower than a round cancel); its measured step over
+the planner's prediction, and over the
 simulator given the task costs measured in those same steps; the I + W of
-ZB-H1 against 1F1B's B per stage, inside the runtime; and the planner's own
+ZB-H1 against 1F1B's B per stage on the same split, inside the runtime; and the planner's own
 I + W / B, profiled. Then the model is planned again with `memory_limit`
 = 0.6 x 1F1B's measured peak activation bytes, and the plan's measured peak
 is read from the allocator (`measure_memory=True`); that plan is given the
@@ -128,6 +131,9 @@ def run_case(
     rows.setdefault(plan_name, (plan.schedule, plan.split_before, plan.predicted_step_time))
     units = profile.units
     rows["1F1B even"] = (S.OneFOneB(m), _even(units), float("nan"))
+    if "ZB-H1" in rows and "1F1B" in rows and rows["ZB-H1"][1] != rows["1F1B"][1]:
+        # I + W against B on the same stages: 1F1B on ZB-H1's split too.
+        rows["1F1B @ ZB-H1 split"] = (S.OneFOneB(m), rows["ZB-H1"][1], float("nan"))
     rows["plan"] = (plan.schedule, plan.split_before, plan.predicted_step_time)
     rows["plan + refine"] = (refined.schedule, refined.split_before, refined.predicted_step_time)
     recompute = {"plan": plan.recompute, "plan + refine": refined.recompute}
@@ -150,9 +156,10 @@ def run_case(
             if r >= args.warmup:
                 times[n].append(elapsed)
                 timelines[n].append(runners[n].gather_timeline())
-    box: list[Any] = [{n: statistics.median(t) for n, t in times.items()}]
+    box: list[Any] = [dict(times)]
     dist.broadcast_object_list(box, src=0)
-    medians: dict[str, float] = box[0]
+    steps: dict[str, list[float]] = box[0]
+    medians = {n: statistics.median(t) for n, t in steps.items()}
     out_rows = []
     for n in names:
         program = runners[n].program
@@ -170,6 +177,7 @@ def run_case(
                 "stages": program.num_stages,
                 "split_before": rows[n][1],
                 "step_s": medians[n],
+                "steps_s": steps[n],
                 "span_s": span,
                 "predicted_s": rows[n][2],
                 "simulated_s": program.simulate(costs).step_time,
@@ -180,13 +188,19 @@ def run_case(
     fastest = min(builtins, key=lambda r: r["step_s"])
     for r in out_rows:
         r["over_fastest_builtin"] = r["step_s"] / fastest["step_s"]
+        # Paired: the median over rounds of this row's step over the fastest
+        # built-in's in the same round (drifts slower than a round cancel).
+        r["paired_over_fastest"] = statistics.median(
+            a / b for a, b in zip(r["steps_s"], fastest["steps_s"], strict=True)
+        )
         r["measured_over_predicted"] = r["span_s"] / r["predicted_s"]
         r["measured_over_simulated"] = r["span_s"] / r["simulated_s"]
     split = []
     means = {r["row"]: r["task_means_s"] for r in out_rows}
-    if "ZB-H1" in means and "1F1B" in means:
+    same = "1F1B @ ZB-H1 split" if "1F1B @ ZB-H1 split" in means else "1F1B"
+    if "ZB-H1" in means and same in means:
         for s in range(2):
-            zb, one = means["ZB-H1"], means["1F1B"]
+            zb, one = means["ZB-H1"], means[same]
             if f"W{s}" in zb and f"B{s}" in one:
                 split.append((zb.get(f"I{s}", 0.0) + zb[f"W{s}"]) / one[f"B{s}"])
     profiled = []
@@ -265,13 +279,14 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
         f"{args.microbatch_size}, medians of {args.rounds} rounds taken in turns"
     )
     print(
-        f"  {'row':<16}{'stages':>7}{'step':>10}{'/fastest':>9}{'meas/pred':>10}{'meas/sim':>9}"
-        "  split_before"
+        f"  {'row':<20}{'stages':>7}{'step':>10}{'/fastest':>9}{'paired':>8}{'meas/pred':>10}"
+        f"{'meas/sim':>9}  split_before"
     )
     for row in r["rows"]:
         print(
-            f"  {row['row']:<16}{row['stages']:>7}{row['step_s'] * 1e3:8.1f}ms"
-            f"{row['over_fastest_builtin']:9.3f}{row['measured_over_predicted']:10.3f}"
+            f"  {row['row']:<20}{row['stages']:>7}{row['step_s'] * 1e3:8.1f}ms"
+            f"{row['over_fastest_builtin']:9.3f}{row['paired_over_fastest']:8.3f}"
+            f"{row['measured_over_predicted']:10.3f}"
             f"{row['measured_over_simulated']:9.3f}  {row['split_before']}"
         )
     if r["split_backward_runtime"]:

@@ -131,14 +131,15 @@ def planner_tables(data: dict[str, Any]) -> list[str]:
             f"{model.get('refined', '-')}, split_before={model.get('refined_split', '-')}, "
             f"in {model.get('refine_s', 0.0):.1f} s",
             "",
-            "| row | stages | step | / fastest built-in | measured / planned | "
+            "| row | stages | step | / fastest built-in | paired | measured / planned | "
             "measured / simulated (own costs) | split_before |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
         ]
         for r in model["rows"]:
             out.append(
                 f"| {r['row']} | {r['stages']} | {r['step_s'] * 1e3:.1f} ms | "
-                f"{r['over_fastest_builtin']:.3f} | {r['measured_over_predicted']:.3f} | "
+                f"{r['over_fastest_builtin']:.3f} | {r.get('paired_over_fastest', float('nan')):.3f} | "
+                f"{r['measured_over_predicted']:.3f} | "
                 f"{r['measured_over_simulated']:.3f} | {', '.join(r['split_before'])} |"
             )
         rows = {r["row"]: r for r in model["rows"]}
