@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <map>
 #include <optional>
 #include <set>
 
@@ -46,6 +47,22 @@ Timeline simulate(const Program& program, const Costs& costs) {
     for (const Instruction& ins : code) {
       if (ins.op == Op::kCompute && info(ins.task.kind).recomputes) {
         recomputed.emplace(ins.task.stage, ins.task.microbatch);
+      }
+    }
+  }
+
+  // What a recomputed (stage, mb) keeps from its forward to the end of its
+  // backward: the activations it received (skip connections included),
+  // counted once, on the first recomputed consumer stage of the rank.
+  std::map<std::pair<int32_t, int32_t>, int64_t> kept_inputs;
+  for (const auto& code : program.ranks) {
+    for (const Instruction& ins : code) {
+      if (ins.op != Op::kRecv || ins.payload != Payload::kActivation) continue;
+      for (const int32_t s : ins.stages) {
+        if (recomputed.count({s, ins.microbatch})) {
+          kept_inputs[{s, ins.microbatch}] += ins.bytes;
+          break;
+        }
       }
     }
   }
@@ -126,13 +143,19 @@ Timeline simulate(const Program& program, const Costs& costs) {
         // Forward-only programs keep no activations for a backward.
         if (!program.spec.forward_only) {
           const TaskKindInfo& kind = info(t.kind);
-          const MemoryEffect effect = recomputed.count({t.stage, t.microbatch})
-                                          ? kind.memory_if_recomputed
-                                          : kind.memory;
+          const bool again = recomputed.count({t.stage, t.microbatch}) > 0;
+          const MemoryEffect effect =
+              again ? kind.memory_if_recomputed : kind.memory;
           const int64_t act = costs.activation_bytes[t.stage];
           const int64_t wbytes =
               std::min(costs.weight_grad_bytes[t.stage], act);
           live[r] += effect.activation * act + effect.weight_only * wbytes;
+          if (again) {
+            const auto kept = kept_inputs.find({t.stage, t.microbatch});
+            const int64_t in = kept == kept_inputs.end() ? 0 : kept->second;
+            if (t.kind == TaskKind::kForward) live[r] += in;
+            if (kind.finishes_weight_grads) live[r] -= in;
+          }
         }
         peaks(r);
         Event e;

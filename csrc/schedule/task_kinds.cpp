@@ -25,7 +25,9 @@ std::vector<TaskKindInfo> make_table() {
   f.reads_activations = true;
   f.emits_activations = true;
   f.memory = {+1, 0};
-  // A recomputed forward keeps only its inputs; we count them as free.
+  // A recomputed forward keeps only its inputs: the simulator charges the
+  // activations the stage received, from its forward to the end of its
+  // backward (simulate.cpp), not a share of the stage's activations.
   f.memory_if_recomputed = {0, 0};
   table.push_back(f);
 
