@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <limits>
-#include <map>
 #include <optional>
 #include <set>
 
@@ -51,21 +50,11 @@ Timeline simulate(const Program& program, const Costs& costs) {
     }
   }
 
-  // What a recomputed (stage, mb) keeps from its forward to the end of its
-  // backward: the activations it received (skip connections included),
-  // counted once, on the first recomputed consumer stage of the rank.
-  std::map<std::pair<int32_t, int32_t>, int64_t> kept_inputs;
-  for (const auto& code : program.ranks) {
-    for (const Instruction& ins : code) {
-      if (ins.op != Op::kRecv || ins.payload != Payload::kActivation) continue;
-      for (const int32_t s : ins.stages) {
-        if (recomputed.count({s, ins.microbatch})) {
-          kept_inputs[{s, ins.microbatch}] += ins.bytes;
-          break;
-        }
-      }
-    }
-  }
+  // What a recomputed stage keeps from its forward to the end of its
+  // backward: every activation it reads from another stage, received or
+  // handed over on its own rank (skip connections included).
+  std::vector<int64_t> kept_inputs(program.num_stages(), 0);
+  for (const Edge& e : program.graph.edges) kept_inputs[e.dst] += e.bytes;
 
   size_t remaining = 0;
   for (const auto& l : program.ranks) remaining += l.size();
@@ -151,8 +140,7 @@ Timeline simulate(const Program& program, const Costs& costs) {
               std::min(costs.weight_grad_bytes[t.stage], act);
           live[r] += effect.activation * act + effect.weight_only * wbytes;
           if (again) {
-            const auto kept = kept_inputs.find({t.stage, t.microbatch});
-            const int64_t in = kept == kept_inputs.end() ? 0 : kept->second;
+            const int64_t in = kept_inputs[t.stage];
             if (t.kind == TaskKind::kForward) live[r] += in;
             if (kind.finishes_weight_grads) live[r] -= in;
           }
