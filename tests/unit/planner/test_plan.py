@@ -46,22 +46,25 @@ def _plan(**kwargs):
     return mpmd.plan(_model(), (x,), 2, loss_fn=_loss, example_target=target, repeats=2, **kwargs)
 
 
-def test_the_plan_runs_as_given_and_equals_the_unpipelined_model():
-    found = _plan(batch_size=16)
-    assert isinstance(found.schedule, mpmd.Schedule)
-    assert found.num_microbatches == found.schedule.num_microbatches
-    assert 16 % found.num_microbatches == 0
-    model = _model()
-    reference = _model()
+def runs_as_planned(found) -> None:
+    """The runner takes the plan's pieces as they are (recompute included)
+    on a batch of 16 rows; its loss and every gradient equal the
+    unpipelined model's."""
+    model, reference = _model(), _model()
     x = torch.randn(16, 16, dtype=torch.float64)
     target = torch.randint(0, 256, (16,))
-    mb = 16 // found.num_microbatches
-    pipe = mpmd.trace(model, (x[:mb],), split_before=found.split_before)
+    m = found.num_microbatches
+    pipe = mpmd.trace(model, (x[: 16 // m],), split_before=found.split_before)
     assert pipe.num_stages == found.num_stages
-    local = LocalPipeline(pipe, found.schedule, found.num_ranks, loss_fn=_loss, timeout=60)
+    local = LocalPipeline(
+        pipe,
+        found.schedule,
+        found.num_ranks,
+        options=mpmd.RunnerOptions(timeout=60, recompute=found.recompute or False),
+        loss_fn=_loss,
+    )
     outs = local.step(x, target=target)
     losses = []
-    m = found.num_microbatches
     for xb, yb in zip(x.chunk(m), target.chunk(m), strict=True):
         loss = _loss(reference(xb), yb)
         (loss / m).backward()
@@ -75,6 +78,14 @@ def test_the_plan_runs_as_given_and_equals_the_unpipelined_model():
             )
             seen.add(name)
     assert seen == {n for n, _ in reference.named_parameters()}
+
+
+def test_the_plan_runs_as_given_and_equals_the_unpipelined_model():
+    found = _plan(batch_size=16)
+    assert isinstance(found.schedule, mpmd.Schedule)
+    assert found.num_microbatches == found.schedule.num_microbatches
+    assert 16 % found.num_microbatches == 0
+    runs_as_planned(found)
 
 
 def test_the_plan_is_the_fastest_candidate_and_says_what_it_weighed():
@@ -125,20 +136,7 @@ def test_a_tight_cap_is_met_by_recomputing_and_the_runner_takes_the_policy():
     assert set(capped.recompute.values()) == {"full"}
     assert max(capped.predicted_peak_bytes) <= limit
     # The runner takes the policy as it is; the step still equals the model.
-    model, reference = _model(), _model()
-    x = torch.randn(16, 16, dtype=torch.float64)
-    target = torch.randint(0, 256, (16,))
-    pipe = mpmd.trace(model, (x[:2],), split_before=capped.split_before)
-    local = LocalPipeline(
-        pipe,
-        capped.schedule,
-        capped.num_ranks,
-        options=mpmd.RunnerOptions(timeout=60, recompute=capped.recompute),
-        loss_fn=_loss,
-    )
-    outs = local.step(x, target=target)
-    losses = [_loss(reference(xb), yb) for xb, yb in zip(x.chunk(8), target.chunk(8), strict=True)]
-    torch.testing.assert_close(outs[0].loss, torch.stack(losses).mean(), rtol=1e-10, atol=1e-10)
+    runs_as_planned(capped)
 
 
 def test_bad_arguments_are_refused_before_profiling():

@@ -15,9 +15,8 @@ import torch
 import torchmpmd as mpmd
 from torchmpmd.planner.profiler import profile
 from torchmpmd.planner.results import Profile
-from torchmpmd.testing import LocalPipeline
 
-from .test_plan import _loss, _model
+from .test_plan import _loss, _model, runs_as_planned
 
 _PLAN_MODULE = sys.modules["torchmpmd.planner.plan"]
 
@@ -144,26 +143,4 @@ def test_a_cap_that_selective_recompute_meets_cheaper_than_full_gets_it(monkeypa
     assert timeline.step_time == pytest.approx(capped.predicted_step_time)
     assert max(timeline.peak_activation_bytes) <= limit
     # The runner takes the policy as it is; the step equals the model's.
-    model, reference = _model(), _model()
-    xs = torch.randn(16, 16, dtype=torch.float64)
-    targets = torch.randint(0, 256, (16,))
-    pipe = mpmd.trace(model, (xs[:2],), split_before=capped.split_before)
-    local = LocalPipeline(
-        pipe,
-        capped.schedule,
-        capped.num_ranks,
-        options=mpmd.RunnerOptions(timeout=60, recompute=capped.recompute),
-        loss_fn=_loss,
-    )
-    outs = local.step(xs, target=targets)
-    losses = []
-    for xb, yb in zip(xs.chunk(8), targets.chunk(8), strict=True):
-        loss = _loss(reference(xb), yb)
-        (loss / 8).backward()
-        losses.append(loss.detach())
-    torch.testing.assert_close(outs[0].loss, torch.stack(losses).mean(), rtol=1e-10, atol=1e-10)
-    for runner in local.runners:
-        for name, p in runner.named_parameters():
-            torch.testing.assert_close(
-                p.grad, reference.get_parameter(name).grad, rtol=1e-10, atol=1e-10, msg=name
-            )
+    runs_as_planned(capped)
