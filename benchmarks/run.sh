@@ -21,7 +21,7 @@ echo "== automatic balancing vs every split (2 ranks)"
 python benchmarks/balance.py --rounds 9 --json "$OUT/balance.json" 2>&1 | quiet
 echo "== mpmd.plan against every built-in schedule, four models (2 ranks)"
 # 25 rounds: at 7-9, two runners of one configuration came out 2-10% apart;
-# at 25, within 1% (the encoder-decoder and the pre-norm model).
+# at 25, most pairs within 1% (one U-Net pair still 9%).
 python benchmarks/planner.py --rounds 25 --json "$OUT/planner.json" 2>&1 | quiet
 echo "== I + W against B, one stage"
 python benchmarks/split_backward.py 2>&1 | quiet | tee "$OUT/split_backward.txt"
