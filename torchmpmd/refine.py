@@ -18,10 +18,11 @@ random state are as they were before.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ import torch.distributed as dist
 
 from .planner import trace
 from .planner.plan import Candidate, Plan, _simplicity
+from .planner.profiler import _buffers_restored
 from .planner.splits import splits_backward
 from .runtime import PipelineRunner, RunnerOptions
 
@@ -83,13 +85,13 @@ def refine(
     chosen = _candidates(plan, slack, rows)
     base = options or RunnerOptions()
     with _model_kept(model):
-        runners = [_runner(c, model, batch_args, rows, loss_fn, base, group) for _, c in chosen]
+        runners = [_runner(c, model, batch_args, rows, loss_fn, base, group) for c in chosen]
         times = _measure(runners, batch_args, target, rounds, warmup, group)
     medians: list[Any] = [[statistics.median(t) for t in times]]
     dist.broadcast_object_list(medians, src=dist.get_global_rank(group, 0) if group else 0)
     measured = [
         dataclasses.replace(c, measured_step_time=m)
-        for (_, c), m in zip(chosen, medians[0], strict=True)
+        for c, m in zip(chosen, medians[0], strict=True)
     ]
     fastest = min(c.measured_step_time or 0.0 for c in measured)
     close = [c for c in measured if (c.measured_step_time or 0.0) <= fastest * (1 + tolerance)]
@@ -144,7 +146,7 @@ def _rows(batch_args: tuple[Any, ...]) -> int:
     )
 
 
-def _candidates(plan: Plan, slack: float, rows: int) -> list[tuple[tuple[int, bool], Candidate]]:
+def _candidates(plan: Plan, slack: float, rows: int) -> list[Candidate]:
     """The plan, then per family the fastest predicted within `slack` of it
     (whose microbatch count divides the batch)."""
     first = _as_candidate(plan)
@@ -153,8 +155,8 @@ def _candidates(plan: Plan, slack: float, rows: int) -> list[tuple[tuple[int, bo
             f"mpmd.refine: the batch has {rows} rows, which do not divide into the plan's "
             f"{plan.num_microbatches} microbatches"
         )
-    family = _families(plan.num_ranks)
-    out = [(family(first), first)]
+    out = [first]
+    families = {_family(first, plan.num_ranks)}
     per_mb = plan.predicted_step_time / plan.num_microbatches
     for c in sorted(
         (c for c in plan.alternatives if c.schedule is not None and c.predicted_step_time > 0),
@@ -162,17 +164,17 @@ def _candidates(plan: Plan, slack: float, rows: int) -> list[tuple[tuple[int, bo
     ):
         if rows % c.num_microbatches or c.predicted_step_time / c.num_microbatches > slack * per_mb:
             continue
-        if family(c) not in {f for f, _ in out}:
-            out.append((family(c), c))
+        family = _family(c, plan.num_ranks)
+        if family not in families:
+            families.add(family)
+            out.append(c)
     return out
 
 
-def _families(num_ranks: int) -> Callable[[Candidate], tuple[int, bool]]:
-    def family(c: Candidate) -> tuple[int, bool]:
-        assert c.schedule is not None
-        return c.num_stages, splits_backward(c.schedule, c.num_stages, num_ranks)
-
-    return family
+def _family(c: Candidate, num_ranks: int) -> tuple[int, bool]:
+    """Stage count, and whether the schedule splits its backward."""
+    assert c.schedule is not None
+    return c.num_stages, splits_backward(c.schedule, c.num_stages, num_ranks)
 
 
 def _runner(
@@ -218,27 +220,22 @@ def _measure(
     return times
 
 
-class _model_kept:
-    """Parameters, gradients, buffers and random state as they were."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-
-    def __enter__(self) -> None:
-        self.params = [(p, p.detach().clone()) for p in self.model.parameters()]
-        self.grads = [(p, p.grad) for p in self.model.parameters()]
-        self.buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
-        self.rng = torch.get_rng_state()
-        for p in self.model.parameters():
-            p.grad = None
-
-    def __exit__(self, *exc: object) -> None:
+@contextlib.contextmanager
+def _model_kept(model: torch.nn.Module) -> Iterator[None]:
+    """Parameters, gradients, buffers (`_buffers_restored`, as the profile
+    keeps them) and the CPU random state as they were."""
+    params = [(p, p.detach().clone(), p.grad) for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = None
+    try:
+        with torch.random.fork_rng(devices=[]), _buffers_restored(model):
+            yield
+    finally:
         with torch.no_grad():
-            for t, value in [*self.params, *self.buffers]:
-                t.copy_(value)
-        for p, g in self.grads:
-            p.grad = g
-        torch.set_rng_state(self.rng)
+            for p, value, _ in params:
+                p.copy_(value)
+        for p, _, grad in params:
+            p.grad = grad
 
 
 def _measured_why(c: Candidate, best: Candidate, tolerance: float) -> str:

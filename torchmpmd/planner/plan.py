@@ -106,11 +106,7 @@ class Plan:
         columns = ["", "schedule", "stages", "microbatches", "step"]
         columns += ["measured"] if measured else []
         columns += ["peak per rank", "recompute", "rejected"]
-        what = (
-            "candidates (simulated; measured by mpmd.refine):"
-            if measured
-            else ("candidates (simulated):")
-        )
+        what = "candidates (simulated" + ("; measured by mpmd.refine):" if measured else "):")
         return head + table(what, columns, rows)
 
 

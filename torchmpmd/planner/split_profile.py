@@ -80,7 +80,9 @@ def stage_times(
             zip(range(spec.num_user_inputs, len(values)), spec.recv_values, strict=True)
         )
         finish = _with_loss(pipe, spec, dict(env), loss if k == last else None)
-        times = _stage_times(gm, values, received, grad_values, finish, (repeats, selective), sync)
+        times = _stage_times(
+            gm, values, received, grad_values, finish, repeats, sync, selective=selective
+        )
         if times is None:
             return None
         out.append(times)
@@ -114,10 +116,11 @@ def _stage_times(
     received: dict[int, int],
     grad_values: set[int],
     finish: Callable[[Sequence[Any]], list[torch.Tensor]],
-    how: tuple[int, bool],
+    repeats: int,
     sync: Callable[[], None],
+    *,
+    selective: bool,
 ) -> tuple[float, float, float, float, int] | None:
-    repeats, selective = how
     slots = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
     xs = [values[i] for i in slots]
     grad_inputs = [
