@@ -7,6 +7,9 @@ every rank the same plan: tests/distributed/test_plan_ranks.py."""
 
 from __future__ import annotations
 
+import itertools
+import sys
+
 import pytest
 import torch
 
@@ -80,6 +83,36 @@ def runs_as_planned(found) -> None:
     assert seen == {n for n, _ in reference.named_parameters()}
 
 
+def planned_timeline(found, prof):
+    """The simulated step of a plan as the runner runs it: R tasks for the
+    stages recomputed in full, selective costs for the others."""
+    full = [s for s, mode in found.recompute.items() if mode == "full"]
+    return mpmd.planner.simulate(
+        prof,
+        found.split_before,
+        schedule=found.schedule.with_recompute(full) if full else found.schedule,
+        num_ranks=found.num_ranks,
+        selective=[s for s, mode in found.recompute.items() if mode == "selective"],
+    )
+
+
+def smallest_free_peak(prof) -> int:
+    """The smallest simulated peak of any split of any built-in schedule
+    without recomputing (peaks depend on the bytes, not on the timings)."""
+    plan_module = sys.modules["torchmpmd.planner.plan"]
+    peaks = []
+    for name in mpmd.schedules.__all__:
+        cls = getattr(mpmd.schedules, name)
+        for stages in plan_module._stage_counts(cls, 2):
+            for cuts in itertools.combinations(prof.units[1:], stages - 1):
+                try:
+                    timeline = mpmd.planner.simulate(prof, list(cuts), schedule=cls(8), num_ranks=2)
+                except ValueError:  # the schedule cannot run that many stages
+                    continue
+                peaks.append(max(timeline.peak_activation_bytes))
+    return min(peaks)
+
+
 def test_the_plan_runs_as_given_and_equals_the_unpipelined_model():
     found = _plan(batch_size=16)
     assert isinstance(found.schedule, mpmd.Schedule)
@@ -108,12 +141,7 @@ def test_the_memory_cap_holds_in_simulation_and_a_cap_nothing_fits_is_an_error()
     limit = 0.6 * max(free.predicted_peak_bytes)
     capped = _plan(num_microbatches=8, memory_limit=limit)
     assert max(capped.predicted_peak_bytes) <= limit
-    schedule = capped.schedule
-    if capped.recompute:  # as the runner runs it: RunnerOptions(recompute=...)
-        schedule = schedule.with_recompute(capped.recompute)
-    timeline = mpmd.planner.simulate(
-        capped.balance.profile, capped.split_before, schedule=schedule, num_ranks=capped.num_ranks
-    )
+    timeline = planned_timeline(capped, capped.balance.profile)
     assert max(timeline.peak_activation_bytes) <= limit
     rejected = [c for c in capped.alternatives if c.schedule is None or "memory" in c.rejected]
     assert rejected, capped  # GPipe keeps every microbatch: it cannot fit
@@ -126,11 +154,8 @@ def test_the_memory_cap_holds_in_simulation_and_a_cap_nothing_fits_is_an_error()
 
 def test_a_tight_cap_is_met_by_recomputing_and_the_runner_takes_the_policy():
     free = _plan(num_microbatches=8)
-    # Below what any schedule holds without recomputing.
-    peaks = [free.predicted_peak_bytes] + [
-        c.predicted_peak_bytes for c in free.alternatives if c.schedule is not None
-    ]
-    limit = 0.5 * min(max(p) for p in peaks)
+    # Below what any split of any schedule holds without recomputing.
+    limit = 0.5 * smallest_free_peak(free.balance.profile)
     capped = _plan(num_microbatches=8, memory_limit=limit)
     assert capped.recompute, capped  # no schedule fits without recomputing
     assert set(capped.recompute.values()) == {"full"}

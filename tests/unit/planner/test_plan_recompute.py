@@ -16,7 +16,7 @@ import torchmpmd as mpmd
 from torchmpmd.planner.profiler import profile
 from torchmpmd.planner.results import Profile
 
-from .test_plan import _loss, _model, runs_as_planned
+from .test_plan import _loss, _model, planned_timeline, runs_as_planned, smallest_free_peak
 
 _PLAN_MODULE = sys.modules["torchmpmd.planner.plan"]
 
@@ -107,10 +107,8 @@ def test_a_cap_that_selective_recompute_meets_cheaper_than_full_gets_it(monkeypa
         )
 
     free = plan(num_microbatches=8)
-    peaks = [free.predicted_peak_bytes] + [
-        c.predicted_peak_bytes for c in free.alternatives if c.schedule is not None
-    ]
-    limit = 0.85 * min(max(p) for p in peaks)  # no schedule fits without recomputing
+    # Below every split of every schedule without recomputing.
+    limit = 0.85 * smallest_free_peak(free.balance.profile)
     capped = plan(num_microbatches=8, memory_limit=limit)
     assert capped.recompute, capped  # nothing fits without recomputing
     assert max(capped.predicted_peak_bytes) <= limit
@@ -132,14 +130,7 @@ def test_a_cap_that_selective_recompute_meets_cheaper_than_full_gets_it(monkeypa
     if best_selective * 1.03 < best_full:
         assert set(capped.recompute.values()) == {"selective"}, capped
     # The plan's prediction is the simulator's for its pieces.
-    full = frozenset(s for s, m in capped.recompute.items() if m == "full")
-    timeline = mpmd.planner.simulate(
-        capped.balance.profile,
-        capped.split_before,
-        schedule=capped.schedule.with_recompute(full) if full else capped.schedule,
-        num_ranks=2,
-        selective=[s for s, m in capped.recompute.items() if m == "selective"],
-    )
+    timeline = planned_timeline(capped, capped.balance.profile)
     assert timeline.step_time == pytest.approx(capped.predicted_step_time)
     assert max(timeline.peak_activation_bytes) <= limit
     # The runner takes the policy as it is; the step equals the model's.
