@@ -139,10 +139,42 @@ def _rematerialize(gm: fx.GraphModule, outs: Sequence[Any], tangents: Sequence[f
     gm.recompile()
 
 
+def _freshest_first(nodes: Iterable[fx.Node], part: set[fx.Node]) -> list[fx.Node]:
+    """`part`'s nodes in a topological order that starts from the last node of
+    `nodes` (each with its dependencies just before it), then the one before.
+
+    W's nodes come in the joint backward's order: the last layer's weight
+    gradients first, reading what I produced first. Run the other way, W
+    starts from what I produced last, still in cache when W follows I. The
+    ops and each gradient are the same; only independent work is reordered."""
+    order: list[fx.Node] = []
+    done: set[fx.Node] = set()
+    for root in reversed(list(nodes)):
+        if root not in part or root in done:
+            continue
+        stack: list[tuple[fx.Node, bool]] = [(root, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if expanded:
+                order.append(node)
+                continue
+            if node in done:
+                continue
+            done.add(node)
+            stack.append((node, True))
+            stack.extend((a, False) for a in node.all_input_nodes if a in part and a not in done)
+    return order
+
+
 def _subgraph(
-    source: fx.GraphModule, part: set[fx.Node], inputs: Sequence[fx.Node], outputs: Sequence[Any]
+    source: fx.GraphModule,
+    part: set[fx.Node],
+    inputs: Sequence[fx.Node],
+    outputs: Sequence[Any],
+    freshest_first: bool = False,
 ) -> fx.GraphModule:
-    """A GraphModule computing `outputs` from `inputs` with the nodes of `part`."""
+    """A GraphModule computing `outputs` from `inputs` with the nodes of `part`
+    (in the source's order, or `_freshest_first`)."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for i, node in enumerate(inputs):
@@ -156,9 +188,9 @@ def _subgraph(
             env[n] = graph.get_attr(str(n.target))
         return env[n]
 
-    for node in source.graph.nodes:
-        if node in part and node.op == "call_function":
-            env[node] = graph.node_copy(node, lookup)
+    nodes = [n for n in source.graph.nodes if n in part and n.op == "call_function"]
+    for node in _freshest_first(nodes, set(nodes)) if freshest_first else nodes:
+        env[node] = graph.node_copy(node, lookup)
     graph.output(tuple(lookup(o) if isinstance(o, fx.Node) else o for o in outputs))
     graph.eliminate_dead_code()
     return fx.GraphModule(source, graph)
@@ -291,7 +323,9 @@ def split_joint(
 
     forward = _subgraph(gm, forward_part, p_nodes + x_nodes, [*outs, *from_forward])
     input_grad = _subgraph(gm, input_part, p_nodes + saved_i + t_nodes, [*grads_x, *passed_i_to_w])
-    weight_grad = _subgraph(gm, weight_part, p_nodes + saved_w_f + passed_i_to_w, list(grads_p))
+    weight_grad = _subgraph(
+        gm, weight_part, p_nodes + saved_w_f + passed_i_to_w, list(grads_p), freshest_first=True
+    )
     index = {n: i for i, n in enumerate(from_forward)}
     return _Joint(
         forward=forward,

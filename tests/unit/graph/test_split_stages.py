@@ -111,3 +111,41 @@ def test_weight_gradients_never_alias_what_w_was_given():
     assert params["weight"].grad.untyped_storage().data_ptr() == (
         weight_from_w.untyped_storage().data_ptr()
     )
+
+
+def test_w_starts_from_what_i_computed_last():
+    # I runs the backward from the last layer to the first, so the first
+    # layer's output gradient is the freshest tensor I hands to W. W starts
+    # there (still in cache when W follows I) and its gradients are exact.
+    from torchmpmd.graph.split import SplitStage
+
+    model = nn.Sequential(*(nn.Linear(8, 8, dtype=torch.float64) for _ in range(3)))
+    module = torch.fx.symbolic_trace(model)
+    names = [n for n, _ in module.named_parameters()]
+
+    def fn(params, buffers, xs):
+        return [
+            torch.func.functional_call(module, dict(zip(names, params, strict=True)), tuple(xs))
+        ]
+
+    x, g = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64)
+    split = SplitStage(module, fn, [x], [0], None)
+    w_graph = split.joint.weight_grad
+    mms = [n for n in w_graph.graph.nodes if n.target is torch.ops.aten.mm.default]
+    returned = list(w_graph.graph.output_node().args[0])
+    # Each mm's gradient goes to one weight; the first mm W runs is layer 0's.
+    weight_of = {}
+    for i, out in enumerate(returned):
+        node = out
+        while node.target is not torch.ops.aten.mm.default and node.all_input_nodes:
+            node = node.all_input_nodes[0]
+        if node.target is torch.ops.aten.mm.default:
+            weight_of[node] = names[split.joint.grad_params[i]]
+    assert [weight_of[n] for n in mms] == ["0.weight", "1.weight", "2.weight"]
+    saved = split.forward([x])[1:]
+    _, for_w = split.input_grad(saved, [g])
+    split.weight_grad(for_w)
+    leaf = {n: p.detach().requires_grad_() for n, p in module.named_parameters()}
+    out = torch.func.functional_call(module, leaf, (x,))
+    for n, grad in zip(leaf, torch.autograd.grad(out, list(leaf.values()), g), strict=True):
+        assert torch.equal(dict(module.named_parameters())[n].grad, grad), n
