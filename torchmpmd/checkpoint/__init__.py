@@ -67,6 +67,7 @@ from .agree import (
 )
 from .errors import CheckpointError, describe, raise_agreed, unwrap
 from .extra import extra_templates, with_extra
+from .hf import HFLoadResult, load_hf, save_hf
 from .paths import Target, abandon, commit, plan
 from .storage import ChecksumWriter, PlainDataPlanner, VerifyingReader
 
@@ -75,12 +76,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CheckpointError",
+    "HFLoadResult",
     "async_save",
     "is_complete",
     "latest",
     "load",
+    "load_hf",
     "local_model",
     "save",
+    "save_hf",
 ]
 
 # The directory where this process's last `latest` found no checkpoint, for

@@ -271,6 +271,11 @@ class PipelineRunner:
         for _, p in self.named_parameters():
             yield p
 
+    @property
+    def pipe(self) -> Pipe:
+        """The traced pipeline this runner runs."""
+        return self._pipe
+
     def local_modules(self) -> list[torch.nn.Module]:
         """This rank's stage modules (parameters and buffers under the model's names)."""
         return [self._first.stages.modules[s] for s in self.local_stages]

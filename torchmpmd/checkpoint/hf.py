@@ -1,0 +1,469 @@
+"""Hugging Face checkpoints in and out of a pipeline.
+
+`load_hf(path, runner)` fills this rank's stages from a directory that
+`save_pretrained` wrote (`model.safetensors`, or shards listed in
+`model.safetensors.index.json`). Each rank opens the files lazily with
+safetensors and reads only the tensors of its own stages; a tensor sharded
+over data parallelism (FSDP) or tensor parallelism (a DTensor) is read as
+this rank's slice only. Nothing is ever materialised whole on a rank that
+does not hold it whole. Values are converted to the dtype of the runner's
+tensors (build the model in the dtype you want, as `from_pretrained`'s
+`torch_dtype` does). A tied weight is read under whichever of its names the
+file holds (`tie_word_embeddings` checkpoints keep only the embedding).
+Non-persistent buffers (RoPE tables) are in no checkpoint: as
+`from_pretrained` does, the model's own `_init_weights` computes them on the
+modules that hold them.
+
+`save_hf(path, runner)` writes a directory `from_pretrained` loads: every
+tensor once under the model's first name for it (a tied weight under its
+first name only, as `save_pretrained` does), written by the lowest rank of
+the first stage holding it; FSDP and tensor-parallel shards are gathered
+whole first (a collective over their mesh). One safetensors file per
+writing rank, the index, and `config.json` (and `generation_config.json`)
+from the model's config. The directory is written beside `path` and renamed
+into place once complete, so `path` is never a partial checkpoint.
+
+Both are collectives: call them on every rank. A rank's error (a missing or
+wrongly shaped tensor, an unwritable path) is raised on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from .agree import check_in
+from .errors import describe, raise_agreed
+
+if TYPE_CHECKING:
+    from ..runtime.runner import PipelineRunner
+
+__all__ = ["HFLoadResult", "load_hf", "save_hf"]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True, slots=True)
+class HFLoadResult:
+    """What `load_hf` did on this rank: the local tensors the checkpoint
+    lacked and the checkpoint's tensors the model has no place for (both
+    empty unless `strict=False`), and the bytes read from the files."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+    bytes_read: int
+
+
+@dataclass(slots=True)
+class _Local:
+    """One tensor of this rank's stages, with every name the model gives it."""
+
+    stage: int
+    names: list[str]
+    tensor: torch.Tensor
+    key: str | None = None  # the checkpoint's name for it
+
+
+@dataclass(slots=True)
+class _Files:
+    """A Hugging Face checkpoint directory, read lazily (safetensors)."""
+
+    directory: Path
+    where: dict[str, Path] = field(default_factory=dict)  # key -> its file
+    bytes_read: int = 0
+    _stack: ExitStack = field(default_factory=ExitStack)
+    _open: dict[Path, Any] = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> _Files:
+        from safetensors import safe_open
+
+        directory = Path(path)
+        files = cls(directory)
+        if (directory / INDEX_FILE).is_file():
+            index = json.loads((directory / INDEX_FILE).read_text())
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"load_hf: {directory / INDEX_FILE} has no weight_map")
+            for key, name in weight_map.items():
+                if not isinstance(name, str) or Path(name).name != name:
+                    raise ValueError(
+                        f"load_hf: {directory / INDEX_FILE} maps {key!r} to {name!r}, which is "
+                        "not a file name in the checkpoint's directory"
+                    )
+                files.where[key] = directory / name
+        elif (directory / SINGLE_FILE).is_file():
+            with safe_open(str(directory / SINGLE_FILE), framework="pt") as f:
+                files.where = dict.fromkeys(f.keys(), directory / SINGLE_FILE)
+        else:
+            found = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else None
+            what = "does not exist" if found is None else f"holds {found[:8]}"
+            raise FileNotFoundError(
+                f"load_hf: {directory} {what}, with neither {SINGLE_FILE} nor {INDEX_FILE}: pass "
+                "a directory written by save_pretrained (safetensors; a pytorch_model.bin "
+                "checkpoint loads with from_pretrained and saves again as safetensors)"
+            )
+        return files
+
+    def _file(self, key: str) -> Any:
+        from safetensors import safe_open
+
+        path = self.where[key]
+        if path not in self._open:
+            if not path.is_file():
+                raise FileNotFoundError(f"load_hf: {path} (which holds {key!r}) is missing")
+            self._open[path] = self._stack.enter_context(safe_open(str(path), framework="pt"))
+        return self._open[path]
+
+    def shape(self, key: str) -> list[int]:
+        return list(self._file(key).get_slice(key).get_shape())
+
+    def read(self, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """The tensor `key`, or its part `index` (only that part is read)."""
+        f = self._file(key)
+        value: torch.Tensor = f.get_tensor(key) if index is None else f.get_slice(key)[index]
+        self.bytes_read += value.numel() * value.element_size()
+        return value
+
+    def close(self) -> None:
+        self._stack.close()
+        self._open.clear()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _local_tensors(runner: PipelineRunner) -> list[_Local]:
+    """This rank's parameters and persistent buffers, one entry per tensor
+    (a tied one once), in stage order, each with all its names (the model's
+    first name first)."""
+    aliases = runner.parameter_aliases()
+    found: dict[int, _Local] = {}
+    for stage, module in zip(runner.local_stages, runner.local_modules(), strict=True):
+        for name, t in module.state_dict(keep_vars=True).items():
+            names = aliases.get(name, [name])
+            entry = found.setdefault(id(t), _Local(stage, [], t))
+            entry.names += [n for n in names if n not in entry.names]
+    return list(found.values())
+
+
+def _patterns(source: Any, attribute: str) -> list[re.Pattern[str]]:
+    return [re.compile(p) for p in (getattr(source, attribute, None) or [])]
+
+
+def _candidates(name: str, prefix: str) -> list[str]:
+    """The keys a checkpoint may hold `name` under: as it is, and (as
+    `from_pretrained` does) without or with the base model's prefix."""
+    out = [name]
+    if prefix and name.startswith(prefix + "."):
+        out.append(name[len(prefix) + 1 :])
+    elif prefix:
+        out.append(f"{prefix}.{name}")
+    return out
+
+
+def _read_into(files: _Files, key: str, t: torch.Tensor) -> None:
+    """Reads `key` into `t`: a plain tensor whole, a DTensor sharded by plain
+    `Shard`/`Replicate` placements as its local part only (others, e.g.
+    FSDP over tensor parallelism's strided shards, whole, then placed)."""
+    if not isinstance(t, DTensor):
+        t.copy_(files.read(key))
+        return
+    mesh, placements = t.device_mesh, t.placements
+    if all(type(p) in (Shard, Replicate) for p in placements):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
+        index = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+        local = files.read(key, index).to(t.device)
+        # Through the DTensor itself (no communication: the same placements),
+        # so its version moves and the runner sees it written.
+        t.copy_(
+            DTensor.from_local(
+                local, mesh, placements, run_check=False, shape=t.shape, stride=t.stride()
+            )
+        )
+        return
+    t.copy_(distribute_tensor(files.read(key).to(mesh.device_type), mesh, placements))
+
+
+def _match(files: _Files, local: list[_Local], prefix: str, ignore_missing: list[Any]) -> list[str]:
+    """Finds each local tensor's key; returns the names of those with none
+    (unless the model says they may be missing)."""
+    missing = []
+    for entry in local:
+        entry.key = next(
+            (k for n in entry.names for k in _candidates(n, prefix) if k in files.where), None
+        )
+        if entry.key is None and not any(p.search(n) for p in ignore_missing for n in entry.names):
+            missing.append(entry.names[0])
+    return missing
+
+
+def _unexpected(files: _Files, runner: PipelineRunner, prefix: str, ignore: list[Any]) -> list[str]:
+    """The checkpoint's keys that name no tensor of the model."""
+    known = set(runner.parameter_aliases())
+    return sorted(
+        k
+        for k in files.where
+        if not any(c in known for c in _candidates(k, prefix))
+        and not any(p.search(k) for p in ignore)
+    )
+
+
+def _check_shapes(files: _Files, local: list[_Local], rank: int) -> None:
+    for entry in local:
+        if entry.key is None:
+            continue
+        stored = files.shape(entry.key)
+        if stored != list(entry.tensor.shape):
+            raise ValueError(
+                f"load_hf: {entry.key!r} has shape {stored} in {files.where[entry.key]}, but "
+                f"stage {entry.stage} on rank {rank} holds '{entry.names[0]}' with shape "
+                f"{list(entry.tensor.shape)}: the checkpoint was written for a model of other "
+                "sizes (check the config)"
+            )
+
+
+def _init_nonpersistent(runner: PipelineRunner) -> None:
+    """Computes the non-persistent buffers (RoPE tables) with the model's own
+    `_init_weights`, on the modules holding them and no parameter of their own
+    (collective: the same decision on every rank, from the model)."""
+    source = runner.pipe.source
+    init = getattr(source, "_init_weights", None)
+    if source is None or not callable(init):
+        return
+    if not any(m._non_persistent_buffers_set for m in source.modules()):
+        return
+
+    def fn(module: torch.nn.Module) -> None:
+        if module._non_persistent_buffers_set and not module._parameters:
+            init(module)
+
+    runner.init_weights(fn)
+
+
+def load_hf(
+    path: str | os.PathLike[str],
+    runner: PipelineRunner,
+    *,
+    strict: bool = True,
+    timeout: float | None = None,
+) -> HFLoadResult:
+    """Fills this rank's stages from a Hugging Face checkpoint directory
+    (collective: call on every rank). Each rank reads only its own stages'
+    tensors, and only its shard of a sharded (FSDP or tensor-parallel) one.
+    With `strict`, a local tensor the checkpoint lacks or a checkpoint tensor
+    the model has no place for is an error naming it; a wrongly shaped
+    tensor always is. Returns what was missing, unexpected and read."""
+    seconds = runner.timeout if timeout is None else timeout
+    check_in("load_hf", path, seconds, {})
+    source = runner.pipe.source
+    prefix = str(getattr(source, "base_model_prefix", "") or "")
+    problem: Exception | None = None
+    files: _Files | None = None
+    local: list[_Local] = []
+    missing: list[str] = []
+    unexpected: list[str] = []
+    try:
+        files = _Files.open(path)
+        local = _local_tensors(runner)
+        missing = _match(files, local, prefix, _patterns(source, "_keys_to_ignore_on_load_missing"))
+        unexpected = _unexpected(
+            files, runner, prefix, _patterns(source, "_keys_to_ignore_on_load_unexpected")
+        )
+        if strict and missing:
+            stages = {e.names[0]: e.stage for e in local}
+            listed = ", ".join(f"'{n}' (stage {stages[n]})" for n in missing[:8])
+            raise KeyError(
+                f"load_hf: {path} has no tensor for {listed}"
+                f"{f' and {len(missing) - 8} more' if len(missing) > 8 else ''} on rank "
+                f"{runner.rank}: it was written for another model (pass strict=False to load the "
+                "rest and fill these yourself)"
+            )
+        if strict and unexpected:
+            raise KeyError(
+                f"load_hf: {path} holds {unexpected[:5]}"
+                f"{f' and {len(unexpected) - 5} more' if len(unexpected) > 5 else ''}, which "
+                "are not parameters or buffers of the model: it was written for another model "
+                "(pass strict=False to ignore them)"
+            )
+        _check_shapes(files, local, runner.rank)
+    except Exception as err:
+        problem = err
+    entries = check_in("load_hf (checked)", path, seconds, {"error": describe(problem)})
+    try:
+        raise_agreed([e["error"] for e in entries], problem)
+    except BaseException:
+        if files is not None:
+            files.close()
+        raise
+    assert files is not None
+    try:
+        _init_nonpersistent(runner)
+        with torch.no_grad():
+            for entry in local:
+                if entry.key is not None:
+                    _read_into(files, entry.key, entry.tensor)
+    finally:
+        files.close()
+    return HFLoadResult(missing, unexpected, files.bytes_read)
+
+
+# ---- save
+
+
+def _canonical(runner: PipelineRunner, entry: _Local) -> str:
+    """The name a tensor is saved under: the model's first name for it."""
+    return runner.parameter_aliases().get(entry.names[0], entry.names)[0]
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on the CPU, contiguous, in its own storage (a DTensor
+    is gathered: a collective over its mesh)."""
+    value = t.detach()
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    return value.to("cpu", copy=True, memory_format=torch.contiguous_format)
+
+
+def _shard_names(writers: list[int]) -> dict[int, str]:
+    if len(writers) == 1:
+        return {writers[0]: SINGLE_FILE}
+    n = len(writers)
+    return {r: f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i, r in enumerate(writers)}
+
+
+def _check_target(path: Path) -> None:
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        raise FileExistsError(f"save_hf: {path} exists and is not a directory: pass a new path")
+    if path.is_dir() and any(path.iterdir()):
+        raise FileExistsError(
+            f"save_hf: {path} is not empty; save_hf writes a new directory (pass a new path, "
+            "or move what it holds yourself)"
+        )
+
+
+def _config_of(runner: PipelineRunner, config: Any) -> tuple[Any, Any]:
+    source = runner.pipe.source
+    if config is None:
+        config = getattr(source, "config", None)
+    generation = getattr(source, "generation_config", None)
+    return config, generation
+
+
+def save_hf(
+    path: str | os.PathLike[str],
+    runner: PipelineRunner,
+    config: Any = None,
+    *,
+    timeout: float | None = None,
+) -> None:
+    """Writes this pipeline's weights as a Hugging Face checkpoint directory
+    that `from_pretrained(path)` loads (collective: call on every rank).
+    `config` (a `PretrainedConfig`; default: the model's own `.config`) is
+    written as `config.json`. `path` must be new or an empty directory."""
+    seconds = runner.timeout if timeout is None else timeout
+    target = Path(path).resolve()
+    staging = target.parent / f".{target.name}.save_hf-{uuid.uuid4().hex[:8]}"
+    problem: Exception | None = None
+    local: list[_Local] = []
+    first_stage: dict[str, int] = {}
+    try:
+        if _rank() == 0:
+            _check_target(target)
+        local = _local_tensors(runner)
+        for entry in local:
+            name = _canonical(runner, entry)
+            first_stage[name] = min(first_stage.get(name, entry.stage), entry.stage)
+    except Exception as err:
+        problem = err
+    entries = check_in(
+        "save_hf",
+        path,
+        seconds,
+        {"error": describe(problem), "stages": first_stage, "staging": str(staging)},
+    )
+    raise_agreed([e["error"] for e in entries], problem)
+    staging = Path(entries[0]["staging"])
+    # Each name's writer: the lowest rank among those holding its first stage.
+    writer: dict[str, int] = {}
+    best: dict[str, int] = {}
+    for r, e in enumerate(entries):
+        for name, stage in e["stages"].items():
+            if name not in best or stage < best[name]:
+                best[name], writer[name] = stage, r
+    writers = sorted(set(writer.values()))
+    file_of = _shard_names(writers)
+    me = _rank()
+    problem = None
+    written: dict[str, str] = {}
+    total = 0
+    try:
+        if me == 0:
+            staging.mkdir(parents=True)
+        check_in("save_hf (staged)", path, seconds, {})
+        mine: dict[str, torch.Tensor] = {}
+        # Every rank gathers its DTensors in the same order (their meshes'
+        # collectives), writers keep what they write.
+        for entry in local:
+            name = _canonical(runner, entry)
+            writes = writer.get(name) == me and name not in mine
+            if writes or isinstance(entry.tensor, DTensor):
+                value = _whole(entry.tensor)
+                if writes:
+                    mine[name] = value
+        if mine:
+            from safetensors.torch import save_file
+
+            save_file(mine, str(staging / file_of[me]), metadata={"format": "pt"})
+            written = dict.fromkeys(mine, file_of[me])
+            total = sum(v.numel() * v.element_size() for v in mine.values())
+    except Exception as err:
+        problem = err
+    entries = check_in(
+        "save_hf (written)",
+        path,
+        seconds,
+        {"error": describe(problem), "written": written, "bytes": total},
+    )
+    problem = None
+    try:
+        raise_agreed([e["error"] for e in entries], None)
+        if me == 0:
+            weight_map: dict[str, str] = {}
+            for e in entries:
+                weight_map.update(e["written"])
+            if len(writers) > 1:
+                index = {
+                    "metadata": {"total_size": sum(e["bytes"] for e in entries)},
+                    "weight_map": dict(sorted(weight_map.items())),
+                }
+                (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+            cfg, generation = _config_of(runner, config)
+            if cfg is not None:
+                cfg.save_pretrained(str(staging))
+            if generation is not None and hasattr(generation, "save_pretrained"):
+                generation.save_pretrained(str(staging))
+            if target.is_dir():
+                target.rmdir()  # empty (checked)
+            os.replace(staging, target)
+    except Exception as err:
+        problem = err
+        if me == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+    entries = check_in("save_hf (done)", path, seconds, {"error": describe(problem)})
+    raise_agreed([e["error"] for e in entries], problem)
