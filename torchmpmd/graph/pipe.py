@@ -250,6 +250,12 @@ class Pipe:
 
     def __repr__(self) -> str:
         stage_rows = []
+        # Each stage's modules in the model's order (a stage's graph lists
+        # its parameters in the order it uses them).
+        model_order: dict[str, int] = {}
+        if self.source is not None:
+            for k, (name, _) in enumerate(self.source.named_parameters(remove_duplicate=False)):
+                model_order.setdefault(name, k)
         for i, gm in enumerate(self._stages):
             params = list(gm.parameters())
             n_params = sum(p.numel() for p in params)
@@ -259,7 +265,11 @@ class Pipe:
                 if isinstance(gm, fx.GraphModule)
                 else "eager"
             )
-            stage_rows.append((i, n_params, human_bytes(n_bytes), n_ops))
+            names = sorted(
+                (n for n, _ in gm.named_parameters(remove_duplicate=False)),
+                key=lambda n: model_order.get(n, len(model_order)),
+            )
+            stage_rows.append((i, n_params, human_bytes(n_bytes), n_ops, module_runs(names)))
         transfer_rows = [
             (
                 t.name,
@@ -279,7 +289,7 @@ class Pipe:
         return "\n\n".join(
             [
                 f"Pipe with {self.num_stages} stages",
-                table("Stages", ["stage", "params", "bytes", "ops"], stage_rows),
+                table("Stages", ["stage", "params", "bytes", "ops", "modules"], stage_rows),
                 table(
                     "Transfers (per microbatch)",
                     ["value", "shape", "dtype", "bytes", "from", "to", "grad"],
@@ -288,6 +298,33 @@ class Pipe:
                 table("Tied parameters", ["parameter", "names", "stages"], tied_rows),
             ]
         )
+
+
+def module_runs(parameter_names: Iterable[str]) -> str:
+    """The modules holding these parameters, in order, a stack's layers as
+    runs: 'model.embed_tokens, model.layers.0-3, model.norm' (a layer is the
+    path up to its first numeric part)."""
+    runs: list[tuple[str, int, int]] = []  # (prefix, first, last); last -1: no index
+    seen: set[str] = set()
+    for name in parameter_names:
+        parts = name.split(".")[:-1]
+        at = next((k for k, part in enumerate(parts) if part.isdigit()), None)
+        path = ".".join(parts if at is None else parts[: at + 1]) or name
+        if path in seen:
+            continue
+        seen.add(path)
+        if at is None:
+            runs.append((path, -1, -1))
+            continue
+        prefix, index = ".".join(parts[:at]), int(parts[at])
+        if runs and runs[-1][0] == prefix and runs[-1][2] == index - 1:
+            runs[-1] = (prefix, runs[-1][1], index)
+        else:
+            runs.append((prefix, index, index))
+    return ", ".join(
+        p if first < 0 else f"{p}.{first}" if first == last else f"{p}.{first}-{last}"
+        for p, first, last in runs
+    )
 
 
 def static_numel(value: torch.Tensor) -> int | None:

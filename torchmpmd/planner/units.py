@@ -82,7 +82,8 @@ def candidate_units(
     itself an item of a stack (a layer stays whole). So a GPT gives its
     embeddings, each block, the final norm and the head. While there are
     fewer units than `min_units`, the unit with the most parameters that
-    calls modules is replaced by those calls. A unit can start a stage only
+    calls modules is replaced by those calls, unless the model says it must
+    stay whole (`no_split_classes`: a Hugging Face decoder layer is never cut). A unit can start a stage only
     if its module runs once and runs at least one operation; other units
     stay inside the unit before them.
     """
@@ -90,6 +91,7 @@ def candidate_units(
         return []
     total_ops = _total_ops(calls)
     modules = dict(model.named_modules(remove_duplicate=False))
+    whole = no_split_classes(model)
 
     def is_item(path: str) -> bool:
         parent, _, _ = path.rpartition(".")
@@ -97,7 +99,7 @@ def candidate_units(
 
     def expands(i: int) -> bool:
         c = calls[i]
-        if not c.children or is_item(c.path):
+        if not c.children or is_item(c.path) or type(c.module).__name__ in whole:
             return False
         return (
             isinstance(c.module, _CONTAINERS)
@@ -122,13 +124,25 @@ def candidate_units(
 
     units = flatten(0) or [0]
     while len(usable(units)) < min_units:
-        splittable = [u for u in units if calls[u].children]
+        splittable = [
+            u for u in units if calls[u].children and type(calls[u].module).__name__ not in whole
+        ]
         if not splittable:
             break
         big = max(splittable, key=lambda u: sum(p.numel() for p in calls[u].module.parameters()))
         at = units.index(big)
         units[at : at + 1] = calls[big].children
     return usable(units)
+
+
+def no_split_classes(model: torch.nn.Module) -> set[str]:
+    """Class names of the modules a model says must stay whole on one device:
+    Hugging Face's `_no_split_modules` (its decoder layers), on the model or
+    any submodule (a vision tower, a language model inside it)."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    return names
 
 
 def _total_ops(calls: Sequence[_Call]) -> list[int]:
