@@ -88,8 +88,7 @@ class _Files:
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> _Files:
-        from safetensors import safe_open
-
+        safe_open = _safetensors("load_hf").safe_open
         directory = Path(path)
         files = cls(directory)
         if (directory / INDEX_FILE).is_file():
@@ -140,6 +139,17 @@ class _Files:
     def close(self) -> None:
         self._stack.close()
         self._open.clear()
+
+
+def _safetensors(call: str) -> Any:
+    try:
+        import safetensors.torch
+    except ImportError as err:
+        raise ImportError(
+            f"checkpoint.{call} reads and writes safetensors files: pip install safetensors "
+            "(or torchmpmd[hf]; transformers installs it too)"
+        ) from err
+    return safetensors
 
 
 def _rank() -> int:
@@ -427,8 +437,7 @@ def save_hf(
                 if writes:
                     mine[name] = value
         if mine:
-            from safetensors.torch import save_file
-
+            save_file = _safetensors("save_hf").torch.save_file
             save_file(mine, str(staging / file_of[me]), metadata={"format": "pt"})
             written = dict.fromkeys(mine, file_of[me])
             total = sum(v.numel() * v.element_size() for v in mine.values())
