@@ -3,11 +3,13 @@
 # here, so the type checker (mypy, in CI) sees no Any cross the boundary.
 from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 import torch
 from torch._C._distributed_c10d import Store
 from torch.distributed import ProcessGroup
+
+_T = TypeVar("_T")
 
 class Error(ValueError): ...
 
@@ -283,6 +285,13 @@ class runtime:
 
     @staticmethod
     def keep_freed_memory(mmap_threshold: int, trim_threshold: int) -> bool: ...
+
+    class ProfilerContext:
+        @staticmethod
+        def current() -> runtime.ProfilerContext: ...
+        @property
+        def active(self) -> bool: ...
+        def run(self, fn: Callable[[], _T]) -> _T: ...
 
     class Transport:
         rank: int

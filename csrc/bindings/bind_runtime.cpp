@@ -7,6 +7,7 @@
 #include "bindings/bindings.h"
 #include "runtime/executor.h"
 #include "runtime/heap.h"
+#include "runtime/profiling.h"
 
 namespace py = pybind11;
 
@@ -273,6 +274,24 @@ void bind_runtime(py::module_ m) {
           "end_ns, waited_ns, held_bytes, kept_bytes); bytes -1 when not "
           "measured. Data-parallel collectives have kind 'unshard' or "
           "'reduce_grads' and microbatch -1.");
+
+  py::class_<ProfilerContext>(
+      m, "ProfilerContext",
+      "The profiler a thread records into (torch.profiler's thread-local "
+      "callbacks and state), to record other threads' work into it too.")
+      .def_static("current", &ProfilerContext::current, "The calling thread's.")
+      .def_property_readonly(
+          "active", &ProfilerContext::active,
+          "Whether a profiler records on that thread (thread-locally).")
+      .def(
+          "run",
+          [](const ProfilerContext& context, const py::function& fn) {
+            ProfilerContextGuard guard(context);
+            return fn();
+          },
+          "fn() on the calling thread, recording into this context's "
+          "profiler; the thread's own comes back afterwards.",
+          py::arg("fn"));
 
   m.def("keep_freed_memory", &keep_freed_memory, py::arg("mmap_threshold"),
         py::arg("trim_threshold"),

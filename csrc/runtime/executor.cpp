@@ -148,6 +148,21 @@ std::string Executor::describe(const Instruction& ins) const {
   return out.str();
 }
 
+std::string Executor::wait_name(const Instruction& ins) const {
+  switch (ins.payload) {
+    case Payload::kActivation:
+    case Payload::kGrad:
+      return c10::str("wait recv(",
+                      ins.payload == Payload::kGrad ? "grad '" : "act '",
+                      value(ins.value).name, "', mb=", ins.microbatch,
+                      ", from rank ", ins.peer, ")");
+    case Payload::kTiedGrad:
+      break;
+  }
+  return c10::str("wait recv(tied grad #", ins.value, ", from rank ", ins.peer,
+                  ")");
+}
+
 void Executor::execute(size_t pc, State& st) {
   const Instruction& ins = code_[pc];
   switch (ins.op) {
@@ -171,6 +186,7 @@ void Executor::execute(size_t pc, State& st) {
   for (const size_t r : needs_[pc]) wait_recv(r, st, ins);
   const auto start = Clock::now();
   if (ins.op == Op::kReduceTied) {
+    const ProfilerRange range([&] { return schedule::to_string(ins); });
     reduce_tied(ins, st);
     return;
   }
@@ -189,6 +205,9 @@ void Executor::execute(size_t pc, State& st) {
     if (keeps) st.memory->own(owner);
   }
   try {
+    // The task's range in torch.profiler, named as errors name it; on a
+    // device it holds the launches of the task's work.
+    const ProfilerRange range([&] { return schedule::to_string(task); });
     (this->*task_fn(ins.task.kind))(ins.task, st);
   } catch (const ExecutorError&) {
     throw;
@@ -223,6 +242,7 @@ void Executor::collective(const Instruction& ins, State& st) {
   const auto start = Clock::now();
   const size_t device_start = st.device ? st.device->mark() : 0;
   try {
+    const ProfilerRange range([&] { return schedule::to_string(ins); });
     fn(ins.value);
   } catch (const std::exception& e) {
     throw ExecutorError(

@@ -197,6 +197,9 @@ class Executor {
   at::Tensor take_activation(int32_t value, int32_t mb, State& st);
   at::Tensor sum_grad_parts(int32_t value, int32_t mb, State& st);
   std::string describe(const schedule::Instruction& ins) const;
+  // The torch.profiler range of the wait for receive `ins`:
+  // "wait recv(act 'h', mb=1, from rank 0)" (or grad, or tied grad #p).
+  std::string wait_name(const schedule::Instruction& ins) const;
   const ValueInfo& value(int32_t id) const;
   // The shape of `value` in microbatch `mb` of this step.
   const std::vector<int64_t>& shape_of(int32_t value, int32_t mb,

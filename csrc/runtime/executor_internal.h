@@ -15,6 +15,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include "runtime/memory.h"
+#include "runtime/profiling.h"
 
 #include <algorithm>
 #include <deque>

@@ -49,6 +49,8 @@ void Executor::post_early(size_t pc, State& st) {
 
 void Executor::wait_recv(size_t index, State& st, const Instruction& user) {
   const Instruction& ins = code_[index];
+  // Its own range in torch.profiler, before the range of the task it feeds.
+  const ProfilerRange range([&] { return wait_name(ins); });
   if (!st.issued[index]) post_recv(index, st);
   auto& posted = st.recvs.at(index);
   const std::string task = user.op == Op::kCompute

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .. import _C
 from ..graph.pipe import Pipe
 from ..schedule.task import Schedule, require_schedule
 from .checks import require_pipe
@@ -56,7 +57,9 @@ class LocalPipeline:
         LocalPipeline(pipe, schedule, 2, loss_fn=loss, wrap_stage=wrap)
 
     `runners` are the per-rank PipelineRunners; `on_all_ranks(fn)` runs
-    `fn(runner)` on every rank at once, as `step` does.
+    `fn(runner)` on every rank at once, as `step` does. A `torch.profiler.
+    profile()` around a call records every rank's thread (their tasks as
+    ranges, as a rank's own process would).
     """
 
     def __init__(
@@ -137,12 +140,19 @@ class LocalPipeline:
         # check (the same bad input), the world stays as it was and the
         # pipeline stays usable.
         quiet_failures: list[int] = []
+        # A torch.profiler started on the calling thread records the ranks'
+        # threads too, as a process's profiler records its rank: one trace,
+        # a thread per rank, each with its tasks' ranges and their ops.
+        profiler = _C.runtime.ProfilerContext.current()
 
         def run(rank: int) -> None:
             runner = self.runners[rank]
             runner.communicated = False  # this call's, not an earlier one's
             try:
-                results[rank] = fn(runner)
+                if profiler.active:
+                    results[rank] = profiler.run(lambda: fn(runner))
+                else:
+                    results[rank] = fn(runner)
             except BaseException as err:  # reported below, per rank
                 if runner.communicated:
                     # Gone for its peers, as a crashed process is.
