@@ -47,7 +47,7 @@ def main() -> None:
             f"--steps={args.steps}", "--layers=4", "--dim=128", "--seq-len=64",
             "--microbatches=4", "--microbatch-size=4", "--log-every=1000000",
             f"--checkpoint-dir={tmp}/ckpt", f"--checkpoint-every={args.every}",
-            f"--loss-log={log}",
+            f"--loss-log={log}", f"--log-dir={tmp}/logs", "--no-progress",
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         job = subprocess.Popen(

@@ -13,13 +13,18 @@ N ranks with its parameters sharded as the model's `_tp_plan` says (world =
 pp x dp x tp; keep tp inside a node). Every rank reads the same batches
 and keeps only its stages; `--meta-init` builds the model on the meta device
 and initialises each rank's stages in place, so no rank ever holds the whole
-model. Prints each rank's parameter bytes, the loss and tokens/s, then the
-loss on held-out text.
+model. Shows a progress bar with the loss and tokens/s on rank 0, writes
+every step's metrics to --log-dir as JSON lines (and TensorBoard events
+when tensorboard is installed), then prints how long it trained and the
+loss on held-out text, and draws the last step's measured timeline under
+the simulator's prediction as timeline.png next to the checkpoints.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import sys
 import time
@@ -49,7 +54,7 @@ TWO_STAGES_PER_RANK = {"interleaved1f1b", "zbv", "dualpipev"}
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=250)
     p.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
     p.add_argument(
         "--stages-per-rank", type=int, default=None, help="default: 2 for V and interleaved, else 1"
@@ -75,7 +80,19 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=30, help="steps of linear warm-up")
+    p.add_argument(
+        "--min-lr", type=float, default=0.1, help="cosine decay to this fraction of --lr"
+    )
+    p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
+    p.add_argument(
+        "--log-dir",
+        default="runs/train_gpt",
+        help="rank 0 writes metrics.jsonl here (and TensorBoard events, if installed), and the "
+        "last step's timeline.png unless --checkpoint-dir is given",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck peer fails")
@@ -103,6 +120,64 @@ def batches(data: torch.Tensor, size: int, seq: int, seed: int, start_step: int 
         window = torch.stack([data[s : s + seq + 1] for s in start.tolist()])
         yield window[:, :-1], window[:, 1:]
         step += 1
+
+
+def lr_at(step: int, args: argparse.Namespace) -> float:
+    """Linear warm-up to --lr, then cosine decay to --min-lr x --lr at --steps."""
+    if step <= args.warmup:
+        return args.lr * step / max(1, args.warmup)
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (args.min_lr + (1 - args.min_lr) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class Metrics:
+    """Rank 0's metrics: JSON lines, TensorBoard when installed, a progress bar."""
+
+    def __init__(self, log_dir: Path, steps: range, progress: bool) -> None:
+        from tqdm import tqdm
+
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.path = log_dir / "metrics.jsonl"
+        self._file = self.path.open("a")
+        self.tensorboard = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(str(log_dir))
+        except ImportError:  # tensorboard is optional
+            pass
+        self.bar = tqdm(steps, disable=not progress, unit="step", dynamic_ncols=True)
+
+    def log(self, step: int | None, **values: float) -> None:
+        self._file.write(json.dumps({"step": step, **values}) + "\n")
+        self._file.flush()
+        if self.tensorboard is not None and step is not None:
+            for name, value in values.items():
+                self.tensorboard.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        self.bar.close()
+        self._file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def save_timeline_png(runner: mpmd.PipelineRunner, path: Path) -> str:
+    """The last step's measured timeline under the simulator's prediction from
+    the same step's task costs (collective: every rank calls it)."""
+    measured = runner.gather_timeline()
+    if dist.get_rank() != 0:
+        return ""
+    program = runner.program
+    predicted = program.simulate(mpmd.Costs.from_timeline(measured, program.num_stages))
+    try:
+        mpmd.viz.plot([predicted, measured], str(path))
+    except ImportError:
+        return "(matplotlib is not installed: no timeline.png)"
+    return (
+        f"timeline of the last step: measured {measured.step_time:.3f} s, predicted "
+        f"{predicted.step_time:.3f} s -> {path}"
+    )
 
 
 def main() -> None:
@@ -210,11 +285,18 @@ def main() -> None:
             print(f"resumed from {resume} at step {first_step}", flush=True)
     stream = batches(train, batch_size * args.dp, args.seq_len, args.seed, first_step)
     shard = slice(dp_rank * batch_size, (dp_rank + 1) * batch_size)
+    steps = range(first_step, args.steps + 1)
+    metrics = Metrics(Path(args.log_dir), steps, not args.no_progress) if rank == 0 else None
+    say = metrics.bar.write if metrics is not None else print
     window_start, window_tokens = time.perf_counter(), 0
-    for step in range(first_step, args.steps + 1):
+    train_start = time.perf_counter()
+    for step in steps:
         x, y = next(stream)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args)
         opt.zero_grad(set_to_none=True)
         out = runner.step(x[shard], target=y[shard])
+        norm = runner.clip_grad_norm_(args.clip) if args.clip > 0 else None
         opt.step()
         if rank == 0 and args.loss_log:
             with open(args.loss_log, "a") as log:
@@ -228,27 +310,44 @@ def main() -> None:
                 extra={"step": step, "ranks": world, "per_rank": {"rng": torch.get_rng_state()}},
             )
             if rank == 0:
-                print(
-                    f"checkpoint step-{step} in {time.perf_counter() - started:.2f} s", flush=True
-                )
+                say(f"checkpoint step-{step} in {time.perf_counter() - started:.2f} s")
         window_tokens += tokens_per_step
-        if rank == 0 and (step % args.log_every == 0 or step == 1):
+        if metrics is not None:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - window_start
-            print(
-                f"step {step:4d}  loss {out.loss.item():.4f}  {window_tokens / elapsed:,.0f} tokens/s",
-                flush=True,
+            rate = window_tokens / elapsed
+            loss = out.loss.item()
+            metrics.bar.update(1)
+            metrics.bar.set_postfix(loss=f"{loss:.3f}", tokens_s=f"{rate:,.0f}", refresh=False)
+            metrics.log(
+                step,
+                loss=loss,
+                lr=opt.param_groups[0]["lr"],
+                tokens_per_s=rate,
+                elapsed_s=time.perf_counter() - train_start,
+                **({"grad_norm": float(norm)} if norm is not None else {}),
             )
+            if step % args.log_every == 0 or step == first_step:
+                say(f"step {step:4d}  loss {loss:.4f}  {rate:,.0f} tokens/s")
             window_start, window_tokens = time.perf_counter(), 0
+    trained = time.perf_counter() - train_start
 
     x, y = next(batches(held_out, batch_size, args.seq_len, args.seed + 1))
     logits = runner.eval_step(x)
     held_out_loss = lm_loss(logits.float(), y.to(logits.device)).item()
-    timeline = runner.gather_timeline()  # collective: every rank's last training step
-    if rank == 0:
-        print(f"held-out loss {held_out_loss:.4f}", flush=True)
-        print(f"last step, measured: {timeline.summary()}", flush=True)
+    png = Path(args.checkpoint_dir or args.log_dir) / "timeline.png"
+    timeline_note = save_timeline_png(runner, png)  # collective: every rank's last step
+    if metrics is not None:
+        metrics.log(None, held_out_loss=held_out_loss, train_seconds=trained)
+        metrics.close()
+        print(
+            f"trained {len(steps)} steps in {trained:.1f} s; held-out loss {held_out_loss:.4f} "
+            "nats per byte",
+            flush=True,
+        )
+        print(timeline_note, flush=True)
+        print(f"metrics: {metrics.path}", flush=True)
     dist.destroy_process_group()
 
 

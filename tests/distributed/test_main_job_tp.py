@@ -40,6 +40,8 @@ def _run(tmp_path: Path, procs: int, *extra: str) -> list[float]:
             *ARGS,
             *extra,
             f"--loss-log={log}",
+            f"--log-dir={tmp_path / f'logs-{procs}'}",
+            "--no-progress",
         ],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,

@@ -26,6 +26,7 @@ ARGS = [
     "--microbatches=4",
     "--microbatch-size=2",
     "--log-every=100",
+    "--no-progress",
     f"--steps={STEPS}",
     f"--timeout={TIMEOUT}",
 ]
@@ -70,7 +71,7 @@ def test_kill_a_rank_and_resume_bitwise(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     reference = tmp_path / "reference.log"
     done = subprocess.run(
-        [*_torchrun(), f"--loss-log={reference}"],
+        [*_torchrun(), f"--loss-log={reference}", f"--log-dir={tmp_path / 'logs-reference'}"],
         env=env,
         capture_output=True,
         text=True,
@@ -85,6 +86,7 @@ def test_kill_a_rank_and_resume_bitwise(tmp_path):
         [
             *_torchrun("--max-restarts=1"),
             f"--loss-log={log}",
+            f"--log-dir={tmp_path / 'logs'}",
             f"--checkpoint-dir={tmp_path / 'ckpt'}",
             "--checkpoint-every=4",
         ],
