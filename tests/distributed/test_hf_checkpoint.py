@@ -5,8 +5,8 @@ A tiny Llama (tied embeddings) saved with `save_pretrained` is loaded with
 gradients equal the `from_pretrained` model's (float32, 1e-5), each rank
 reading no more than 1.1 x its own stages' bytes. After an optimizer step,
 `save_hf` writes a directory `from_pretrained` loads with bitwise the
-runner's parameters. Also from a sharded checkpoint, and from a 2 x 2
-(pp x dp) FSDP job, whose ranks read only their shards."""
+runner's parameters. Also from a sharded checkpoint, and from 2 x 2 jobs with FSDP (pp x dp)
+and with tensor parallelism (pp x tp), whose ranks read only their shards."""
 
 from __future__ import annotations
 
@@ -63,12 +63,14 @@ def _local_bytes(runner: mpmd.PipelineRunner) -> int:
     return total
 
 
-def _pipeline(rank: int, world: int, src: str, out: str | None, dp: int) -> dict:
+def _pipeline(rank: int, world: int, src: str, out: str | None, dp: int, tp: int = 1) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
     mesh = None
     if dp > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
         mesh = init_device_mesh("cpu", (world // dp, dp), mesh_dim_names=("pp", "dp"))
+    elif tp > 1:  # the model's own tp plan (_tp_plan): projections sharded over tp
+        mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("pp", "tp"))
     runner = _meta_runner(src, mesh, "fsdp" if dp > 1 else None)
     loaded = mpmd.checkpoint.load_hf(src, runner)
     x, y = _batch()
@@ -155,6 +157,13 @@ def test_hf_round_trip_from_a_pp_by_fsdp_job(tmp_path):
     src = _saved(tmp_path)
     out = str(tmp_path / "out")
     results = check_all(run_ranks(_pipeline, 4, src, out, 2))
+    _check(results, src, out)
+
+
+def test_hf_round_trip_from_a_pp_by_tp_job(tmp_path):
+    src = _saved(tmp_path)
+    out = str(tmp_path / "out")
+    results = check_all(run_ranks(_pipeline, 4, src, out, 1, 2))
     _check(results, src, out)
 
 

@@ -15,6 +15,8 @@ from models import hf_llama, tokens
 import torchmpmd as mpmd
 from torchmpmd.testing import LocalPipeline
 
+pytestmark = pytest.mark.slow  # each builds a Llama pipeline on 2 ranks (2-7 s)
+
 
 def _local(model: torch.nn.Module) -> LocalPipeline:
     ids = tokens(96, 2, 8)

@@ -24,6 +24,7 @@ def _layer_of(name: str) -> str | None:
     return match.group(1) if match else None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_stages", [2, 3, 5])
 def test_trace_num_stages_never_cuts_inside_a_decoder_layer(num_stages):
     torch.manual_seed(0)
@@ -46,6 +47,7 @@ def test_trace_num_stages_never_cuts_inside_a_decoder_layer(num_stages):
             assert f"model.layers.{mine[0]}-{mine[-1]}" in table, table
 
 
+@pytest.mark.slow
 def test_more_stages_than_the_model_allows_is_refused_not_cut_inside_layers():
     model = hf_llama(num_hidden_layers=2)
     # 2 layers with the embedding, rotary table, norm and head: fewer places
