@@ -116,3 +116,17 @@ def test_save_hf_refuses_a_directory_that_holds_files(tmp_path):
     with pytest.raises(FileExistsError, match="not empty"):
         local.on_all_ranks(lambda r: mpmd.checkpoint.save_hf(tmp_path / "taken", r))
     assert (tmp_path / "taken" / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_values_take_the_dtype_the_model_was_built_in(saved, dtype):
+    # As from_pretrained(torch_dtype=...): a float32 checkpoint into a model
+    # built in another dtype holds the checkpoint's values converted.
+    path, tensors = saved
+    local = _local(hf_llama().to(dtype))
+    local.on_all_ranks(lambda r: mpmd.checkpoint.load_hf(path, r))
+    for runner in local.runners:
+        for name, p in runner.named_parameters():
+            key = "model.embed_tokens.weight" if name == "lm_head.weight" else name
+            assert p.dtype == dtype
+            assert torch.equal(p.detach(), tensors[key].to(dtype)), name
