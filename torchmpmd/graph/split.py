@@ -232,7 +232,12 @@ def split_joint(
     with torch.enable_grad():
         probe = fn(p_ex, x_ex)
     tangent_outputs = [i for i, o in enumerate(probe) if o.requires_grad]
-    tangents_ex = [torch.ones_like(probe[i]) for i in tangent_outputs]
+    # Output gradients arrive contiguous (received into fresh buffers), whatever
+    # the layout of the output itself (a permuted view, channels-last): the
+    # backward is traced for that layout, and I lays any other out so.
+    tangents_ex = [
+        torch.ones_like(probe[i], memory_format=torch.contiguous_format) for i in tangent_outputs
+    ]
 
     def joint(
         ps: list[torch.Tensor], xs: list[torch.Tensor], ts: list[torch.Tensor]
@@ -342,6 +347,18 @@ def split_joint(
     )
 
 
+def _as_traced(t: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """`t` laid out with the strides its graph was traced with (a copy only
+    where they differ: a gradient received contiguous for a channels-last
+    output, an activation handed over as a permuted view)."""
+    if t.layout != torch.strided or t.stride() == stride or t.dim() != len(stride):
+        return t
+    if any(st == 0 and n > 1 for st, n in zip(stride, t.shape, strict=True)):
+        return t  # traced as a broadcast: no layout to copy into
+    out = torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device)
+    return out.copy_(t)
+
+
 def _own_storage(g: torch.Tensor, p: torch.Tensor, others: set[int]) -> bool:
     """Whether gradient `g` can become `p.grad` (detached) without a copy: a
     strided tensor that fills its storage exactly, strided like the
@@ -413,6 +430,8 @@ class SplitStage:
 
         state = self._params + self._buffers
         self.joint = split_joint(fn, state, example_inputs, grad_inputs, selective)
+        # The graphs are traced for these layouts (a view in them may need it).
+        self._input_strides = [x.stride() for x in example_inputs]
         self._loss_output = loss_output
         self._forward: Callable[..., Any] = self.joint.forward
         self._input_grad: Callable[..., Any] = self.joint.input_grad
@@ -428,7 +447,8 @@ class SplitStage:
 
     def forward(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Stage outputs, then every tensor I and W will need (buffers updated)."""
-        result = list(self._forward(*self._state(), *inputs))
+        laid_out = [_as_traced(x, s) for x, s in zip(inputs, self._input_strides, strict=True)]
+        result = list(self._forward(*self._state(), *laid_out))
         if not self._updated:
             return result
         end = self.joint.num_outputs
@@ -449,7 +469,7 @@ class SplitStage:
             if i == self._loss_output:
                 tangents.append(torch.ones_like(zero))  # d(loss)/d(loss)
             elif given is not None:
-                tangents.append(given)
+                tangents.append(_as_traced(given, zero.stride()))
             else:
                 tangents.append(zero)  # an output no later stage differentiates
         result = list(

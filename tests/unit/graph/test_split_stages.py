@@ -149,3 +149,37 @@ def test_w_starts_from_what_i_computed_last():
     out = torch.func.functional_call(module, leaf, (x,))
     for n, grad in zip(leaf, torch.autograd.grad(out, list(leaf.values()), g), strict=True):
         assert torch.equal(dict(module.named_parameters())[n].grad, grad), n
+
+
+class TransposedHandoff(nn.Module):
+    """Stage 0 ends in a transposed view (as ConvNeXt's layers end in a
+    permute): its output, and the gradient it was traced with, are not
+    contiguous; the gradient stage 1 sends back is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 6)
+        self.b = nn.Linear(5, 4)
+        self.c = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x).transpose(1, 2)  # (batch, 6, 5), strided (30, 1, 6)
+        return self.c(torch.tanh(self.b(h)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "schedule", [mpmd.schedules.ZeroBubbleH1(M), mpmd.schedules.ZBV(M)], ids=["zbh1", "zbv"]
+)
+def test_a_stage_whose_output_is_a_transposed_view_splits(schedule):
+    x = torch.randn(2 * M, 5, 8, dtype=torch.float64)
+    y = torch.randn(2 * M, 6, 3, dtype=torch.float64)
+    trains_like_eager(
+        lambda: TransposedHandoff().double(),
+        x,
+        y,
+        square_loss,
+        ["b"],
+        schedule,
+        2 if isinstance(schedule, mpmd.schedules.ZeroBubbleH1) else 1,
+    )

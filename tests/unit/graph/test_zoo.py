@@ -279,6 +279,25 @@ ARCHS: dict[str, Arch] = {
         loss=lambda out, y: F.cross_entropy(out.logits, y),
         attention=("eager",),
     ),
+    # Its layers end in a permute: a stage's output (and so the gradient the
+    # next stage sends back) is laid out channels-last, not contiguous.
+    "convnext": Arch(
+        lambda: T.ConvNextForImageClassification(
+            T.ConvNextConfig(
+                image_size=16,
+                patch_size=4,
+                num_stages=3,
+                hidden_sizes=[8, 16, 24],
+                depths=[1, 1, 1],
+                num_labels=4,
+            )
+        ),
+        ["convnext.encoder.stages.1", "convnext.encoder.stages.2"],
+        inputs=_images,
+        target=lambda b: torch.randint(0, 4, (b,), generator=_gen(b + 7)),
+        loss=lambda out, y: F.cross_entropy(out.logits, y),
+        attention=("eager",),
+    ),
 }
 
 
