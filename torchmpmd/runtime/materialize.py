@@ -93,9 +93,24 @@ class Allocation:
             self._fresh[id(now)] = _Fresh(f.stage, f.name, now, now._version)
 
     def check(self, modules: dict[int, torch.nn.Module], rank: int) -> None:
-        """Raises if a tensor allocated here is still unwritten (and still in use)."""
+        """Raises if a tensor allocated here is still unwritten (and still in
+        use), or a stage holds a meta tensor where its own one was put."""
         if not self._fresh:
             return
+        meta = [
+            (s, name)
+            for s, m in sorted(modules.items())
+            for name, t in [*m.named_parameters(), *m.named_buffers()]
+            if t.is_meta
+        ]
+        if meta:
+            names = ", ".join(f"'{n}' (stage {s})" for s, n in meta[:8])
+            raise RuntimeError(
+                f"rank {rank}: {names} {'is' if len(meta) == 1 else 'are'} on the meta device: "
+                "the model's own (meta) tensor took the place of the one this rank allocated "
+                "(an init that assigns a parameter of the model rather than writing one); write "
+                "into the tensors in place (torch.nn.init.*_, .copy_), or make ties before tracing"
+            )
         in_use = {id(t) for m in modules.values() for t in [*m.parameters(), *m.buffers()]}
         unwritten = sorted(
             (f.stage, f.name)
@@ -172,6 +187,16 @@ def init_weights(
     roots = [source] if source is not None else []
     # Stages cut by hand hold the user's own modules, not the model's.
     roots += [stage.state_root for m in modules.values() if not (stage := as_stage(m)).traced]
+    # The model's own tensors by object (an init that assigns one of them in
+    # place of another makes a tie the trace did not see).
+    model_names = {
+        id(t): name
+        for root in roots
+        for name, t in [
+            *root.named_parameters(remove_duplicate=False),
+            *root.named_buffers(remove_duplicate=False),
+        ]
+    }
     called = 0
     seen: set[int] = set()
     with _SWAP_LOCK, torch.no_grad():
@@ -193,6 +218,7 @@ def init_weights(
                     continue
                 called += 1
                 for name, mine, new in replaced:
+                    _check_tie(name, new, model_names, local, stage_of[id(mine)], rank)
                     _check_replacement(name, mine, new, stage_of[id(mine)], rank)
                 for _, mine, new in replaced:
                     # Its values, not the object: the tie map, the executor
@@ -270,6 +296,32 @@ def _swapped_call(
             # The model keeps its own (meta) tensors, whatever `call` assigned.
             table[leaf] = original
     return replaced
+
+
+def _check_tie(
+    name: str,
+    new: torch.Tensor,
+    model_names: dict[int, str],
+    local: dict[str, torch.Tensor],
+    stage: int,
+    rank: int,
+) -> None:
+    """Refuses an init that assigns one of the model's tensors in place of
+    another (`self.output.weight = self.tok_embeddings.weight`): a tie made
+    after tracing, which the pipeline holds as two tensors that would train
+    apart (and on a rank without the other, the model's meta tensor)."""
+    other = model_names.get(id(new))
+    if other is None:
+        other = next((n for n, t in local.items() if t is new and n != name), None)
+    if other is None or other == name:
+        return
+    raise ValueError(
+        f"init_weights: rank {rank}: the init function assigns '{other}' in place of '{name}' "
+        f"(stage {stage}), tying them, but the model was traced before that tie existed, so "
+        "the pipeline holds them as two parameters that would train apart. Make the tie "
+        "before tracing: tie them in the model's __init__, or call the model's own init on "
+        "the meta model (writes on the meta device cost nothing) and then mpmd.trace it"
+    )
 
 
 def _check_replacement(

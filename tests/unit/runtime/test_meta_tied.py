@@ -331,3 +331,74 @@ def test_torchtitan_root_init_with_torch_random_numbers():
     outs = local.step(x, target=y)
     losses = eager_step(lambda xb, yb: lm_loss(ref(xb), yb), x, y, M)
     _check_step(local, ref, outs, losses, 1e-10)
+
+
+class TiedInInit(nn.Module):
+    """Ties its head to its embedding in its own init_weights, as a torchtitan
+    model with weight tying may, not in __init__."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(32, 16)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+        self.output = nn.Linear(16, 32, bias=False)
+
+    def init_weights(self) -> None:
+        nn.init.normal_(self.tok_embeddings.weight)
+        for layer in self.layers:
+            layer.reset_parameters()
+        self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(ids)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.output(h)
+
+
+@pytest.mark.slow
+def test_a_tie_made_in_init_after_tracing_is_refused_naming_both():
+    # Traced untied, the head on rank 1 would take the model's meta embedding
+    # (rank 1 holds none): refused, naming both parameters and the fix.
+    with torch.device("meta"):
+        model = TiedInInit()
+    pipe = mpmd.trace(model, (tokens(32, 2, 6).to("meta"),), split_before=["layers.1"])
+    assert not pipe.tied
+    local = LocalPipeline(pipe, mpmd.schedules.OneFOneB(M), 2, loss_fn=lm_loss, timeout=30)
+    with pytest.raises(
+        ValueError, match=r"assigns 'tok_embeddings.weight' in place of 'output.weight' \(stage 1\)"
+    ):
+        local.init_weights()
+    # The fix it gives: the model's own init on the meta model, then trace.
+    with torch.device("meta"):
+        model = TiedInInit().double()
+    model.init_weights()
+    pipe = mpmd.trace(model, (tokens(32, 2, 6).to("meta"),), split_before=["layers.1"])
+    assert list(pipe.tied.values()) == [(0, 1)]
+    local = LocalPipeline(pipe, mpmd.schedules.OneFOneB(M), 2, loss_fn=lm_loss, timeout=30)
+    local.init_weights()
+    copies = _tied_copies(local, {"tok_embeddings.weight", "output.weight"})
+    assert torch.equal(copies[0][1], copies[1][1])
+    ref = TiedInInit().double()
+    ref.load_state_dict({**_merged_state(local), "output.weight": copies[0][1]})
+    ref.output.weight = ref.tok_embeddings.weight
+    x, y = tokens(32, 4 * M, 6, seed=1), tokens(32, 4 * M, 6, seed=2)
+    outs = local.step(x, target=y)
+    losses = eager_step(lambda xb, yb: lm_loss(ref(xb), yb), x, y, M)
+    _check_step(local, ref, outs, losses, 1e-10)
+
+
+@pytest.mark.slow
+def test_a_meta_tensor_in_a_stage_is_named_before_the_first_step():
+    # Whatever put it there, a stage holding a meta tensor fails at the
+    # step's checks naming it, not inside the forward.
+    with torch.device("meta"):
+        model = TiedLM()
+    pipe = mpmd.trace(model, (tokens(32, 2, 6).to("meta"),), split_before=["blocks.2"])
+    local = LocalPipeline(pipe, mpmd.schedules.OneFOneB(M), 2, loss_fn=lm_loss, timeout=30)
+    local.init_weights(lambda m: [nn.init.zeros_(p) for p in m.parameters(recurse=False)])
+    stage = local.runners[1].local_modules()[0]
+    stage.get_submodule("norm").weight = nn.Parameter(torch.empty(16, device="meta"))
+    x, y = tokens(32, 4 * M, 6, seed=1), tokens(32, 4 * M, 6, seed=2)
+    with pytest.raises(RuntimeError, match=r"'norm.weight' \(stage 1\) is on the meta device"):
+        local.step(x, target=y)
