@@ -347,6 +347,24 @@ def split_joint(
     )
 
 
+def data_dependent(module: torch.nn.Module) -> str | None:
+    """Where a traced stage computes a tensor whose shape depends on the data
+    (`aten.nonzero` in module 'layers.1.moe'), or None: such a stage cannot
+    be split into I/W graphs traced for one microbatch's shapes."""
+    if not isinstance(module, fx.GraphModule):
+        return None
+    for n in module.graph.nodes:
+        value = n.meta.get("val")
+        if (
+            isinstance(n.target, torch._ops.OpOverload)
+            and isinstance(value, torch.Tensor)
+            and static_numel(value) is None
+        ):
+            where = list((n.meta.get("nn_module_stack") or {"": ("", "")}).values())[-1][0]
+            return f"{n.target} in module '{where}'"
+    return None
+
+
 def _as_traced(t: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
     """`t` laid out with the strides its graph was traced with (a copy only
     where they differ: a gradient received contiguous for a channels-last
@@ -388,22 +406,13 @@ class SplitStage:
         loss_output: int | None = None,
         selective: bool = False,
     ) -> None:
-        dynamic = next(
-            (
-                n
-                for n in module.graph.nodes
-                if isinstance(n.target, torch._ops.OpOverload)
-                and isinstance(n.meta.get("val"), torch.Tensor)
-                and static_numel(n.meta["val"]) is None
-            ),
-            None,
-        )
+        dynamic = data_dependent(module)
         if dynamic is not None:
-            where = list((dynamic.meta.get("nn_module_stack") or {"": ("", "")}).values())[-1][0]
             raise ValueError(
-                f"{dynamic.target} in module '{where}' computes a tensor whose shape depends on "
-                "the data (e.g. MoE routing); split backward (I/W) traces a stage with the "
-                "shapes of one microbatch: use full backward (B) for this stage"
+                f"{dynamic} computes a tensor whose shape depends on the data (e.g. MoE "
+                "routing); split backward (I/W) traces a stage with the shapes of one "
+                "microbatch: run this stage's whole backward (B), schedule.with_full_backward("
+                "[stage]), as split_backward='auto' does by itself"
             )
         self._params = [p for _, p in module.named_parameters()]
         named_buffers = list(module.named_buffers())

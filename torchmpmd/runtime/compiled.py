@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ import torch
 
 from .. import _C
 from ..graph.pipe import Pipe, TensorSpec
+from ..graph.split import data_dependent
 from ..graph.stage import as_stage
 from ..parallel.tensor import TensorParallel
 from ..schedule.kinds import recomputes, splits_backward
@@ -92,6 +94,23 @@ class CompiledPipe:
         self.program: Program = compile_schedule(
             options.schedule, graph, transport.size, collectives=options.collectives
         )
+        full = self._unsplittable(options) if options.split_backward == "auto" else {}
+        if full:
+            self.program = compile_schedule(
+                options.schedule.with_full_backward(full),
+                graph,
+                transport.size,
+                collectives=options.collectives,
+            )
+            if self.rank == 0:
+                which = "; ".join(f"stage {s}: {where}" for s, where in sorted(full.items()))
+                warnings.warn(
+                    f"{type(options.schedule).__name__} splits the backward of stages "
+                    f"{sorted(full)}, whose tensor shapes depend on the data ({which}): they "
+                    "run their whole backward (B) in place of I, without W; the other stages "
+                    "keep I/W (split_backward='auto')",
+                    stacklevel=2,
+                )
         placement = self.program.placement
         self.local_stages = [s for s in range(pipe.num_stages) if placement[s] == self.rank]
         self.loss_rank = placement[pipe.num_stages - 1]
@@ -221,6 +240,26 @@ class CompiledPipe:
                     "recompute): the update would apply twice; leave this stage out of recompute"
                 )
 
+    def _unsplittable(self, options: Options) -> dict[int, str]:
+        """Stages the schedule splits (I/W on any rank) that cannot be split:
+        traced stages computing data-dependent shapes (an eager or
+        tensor-parallel stage splits through autograd, which can)."""
+        if options.tensor is not None:
+            return {}
+        with_iw = {
+            t.stage
+            for r in range(self.program.num_ranks)
+            for t in self.program.tasks(r)
+            if splits_backward(t.kind)
+        }
+        found = {}
+        for s in sorted(with_iw):
+            module = self.pipe.stage(s)
+            where = data_dependent(module) if as_stage(module).traced else None
+            if where is not None:
+                found[s] = where
+        return found
+
     def _choose_split(self, split_backward: bool | str) -> set[int]:
         with_iw = {t.stage for t in self.program.tasks(self.rank) if splits_backward(t.kind)}
         if split_backward == "auto":
@@ -232,7 +271,9 @@ class CompiledPipe:
                 raise ValueError(
                     f"{type(self._options.schedule).__name__} has input/weight-gradient tasks "
                     f"(I/W) for stages {sorted(with_iw)} on rank {self.rank}, which need "
-                    "split_backward"
+                    "split_backward; to run those stages' whole backward (B) instead, pass "
+                    f"schedule.with_full_backward({sorted(with_iw)}) (split_backward='auto' "
+                    "does so by itself for stages that cannot split)"
                 )
             return set()
         raise ValueError(f"split_backward must be True, False or 'auto', got {split_backward!r}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from .. import _C
 
 __all__ = [
+    "BACKWARD",
     "RECOMPUTE",
     "TABLE",
     "WHOLE_BACKWARD",
@@ -22,6 +23,9 @@ WHOLE_BACKWARD = 3  # BackwardPart::kWholeBackward: input and weight gradients
 
 # The kind that runs a stage's forward again for its backward.
 RECOMPUTE: str = next(k.letter for k in TABLE.values() if k.recomputes)
+# The kind that runs a stage's whole backward (input and weight gradients).
+BACKWARD: str = next(k.letter for k in TABLE.values() if k.backward_parts == WHOLE_BACKWARD)
+INPUT_PART = 1  # BackwardPart::kInputGradPart
 
 
 def recomputes(kind: str) -> bool:

@@ -140,8 +140,49 @@ class Schedule:
                 )
         return _Recompute(self, frozenset(int(cast(int, s)) for s in chosen))
 
+    def with_full_backward(self, stages: Iterable[int]) -> Schedule:
+        """This schedule with `stages` running their whole backward (B) where
+        it splits it: each input-gradient task (I) becomes B, in its place,
+        and the weight-gradient tasks (W) of those stages go. For a stage
+        that cannot split (its shapes depend on the data, as MoE routing's
+        do) under a zero-bubble schedule; the runner does this by itself
+        with `split_backward="auto"`."""
+        chosen: list[object] = list(stages)
+        for s in chosen:
+            if not is_index(s):
+                raise TypeError(
+                    f"with_full_backward: a stage is an int index, got {s!r} ({type(s).__name__})"
+                )
+        return _FullBackward(self, frozenset(int(cast(int, s)) for s in chosen))
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_microbatches={self.num_microbatches})"
+
+
+class _FullBackward(Schedule):
+    def __init__(self, base: Schedule, stages: frozenset[int]) -> None:
+        super().__init__(base.num_microbatches)
+        self._base = base
+        self._stages = stages
+
+    def placement(self, num_stages: int, num_ranks: int) -> list[int]:
+        return self._base.placement(num_stages, num_ranks)
+
+    def tasks(self, num_stages: int, num_ranks: int, num_microbatches: int) -> list[list[Task]]:
+        out = []
+        for rank in self._base.tasks(num_stages, num_ranks, num_microbatches):
+            row = []
+            for t in rank:
+                if t.stage in self._stages and kinds.splits_backward(t.kind):
+                    if kinds.TABLE[t.kind].backward_parts != kinds.INPUT_PART:
+                        continue  # W: B computed the weight gradients already
+                    t = Task(kinds.BACKWARD, t.stage, t.microbatch)
+                row.append(t)
+            out.append(row)
+        return out
+
+    def __repr__(self) -> str:
+        return f"{self._base!r}.with_full_backward({sorted(self._stages)})"
 
 
 class _ListSchedule(Schedule):

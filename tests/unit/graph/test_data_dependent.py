@@ -1,8 +1,9 @@
 """Data-dependent operations (MoE top-k routing with nonzero and index_add)
 must trace and train exactly; torchmpmd's own cost heuristic crashed on
 their symbolic sizes after torch.export had succeeded. What cannot work gets
-a clear error: a data-dependent tensor crossing stages, or a split (I/W)
-stage that would fix one microbatch's routing."""
+a clear error: a data-dependent tensor crossing stages. A zero-bubble
+schedule runs such a stage's whole backward (B) in place of I/W, which
+would fix one microbatch's routing, and says so."""
 
 import re
 
@@ -67,12 +68,57 @@ def test_moe_routing_trains_exactly():
 
 
 @pytest.mark.slow
-def test_split_backward_of_a_routed_stage_is_refused():
+def test_zero_bubble_runs_a_routed_stage_with_full_backward():
+    # ZB-H1 splits every stage's backward; the routed stage cannot be split
+    # (its I/W graphs would fix one microbatch's routing), so it runs B in
+    # I's place, without W, and says so; the others keep I/W. Exact.
+    _, _, x, y = _case()
+    with pytest.warns(UserWarning, match=r"stages \[1\].*in module 'moe'.*whole backward \(B\)"):
+        local, _ = trains_like_eager(
+            lambda: Routed().double(),
+            x,
+            y,
+            square_loss,
+            ["moe", "c"],
+            mpmd.schedules.ZeroBubbleH1(M),
+            3,
+        )
+    kinds = {(t.kind, t.stage) for r in local.runners for t in r.program.tasks(r.rank)}
+    assert ("B", 1) in kinds and ("I", 1) not in kinds and ("W", 1) not in kinds
+    assert {("I", 2), ("W", 2), ("W", 0)} <= kinds
+
+
+@pytest.mark.slow
+def test_splitting_a_routed_stage_by_force_says_how_not_to():
     model, _, x, y = _case()
     pipe = mpmd.trace(model, (x[:4],), split_before=["moe", "c"])
-    local = LocalPipeline(pipe, mpmd.schedules.ZeroBubbleH1(M), 3, loss_fn=square_loss, timeout=30)
-    with pytest.raises(ValueError, match=r"stage 1: .* in module 'moe' computes a tensor whose"):
+    local = LocalPipeline(
+        pipe,
+        mpmd.schedules.ZeroBubbleH1(M),
+        3,
+        loss_fn=square_loss,
+        timeout=30,
+        split_backward=True,
+    )
+    with pytest.raises(
+        ValueError, match=r"stage 1: .* in module 'moe' computes a tensor whose.*with_full_backward"
+    ):
         local.step(x, target=y)
+
+
+def test_full_backward_replaces_i_and_drops_w():
+    zb = mpmd.schedules.ZeroBubbleH1(M)
+    full = zb.with_full_backward([1])
+    for before, after in zip(zb.tasks(2, 2, M), full.tasks(2, 2, M), strict=True):
+        expect = [
+            mpmd.Task("B", t.stage, t.microbatch) if (t.kind, t.stage) == ("I", 1) else t
+            for t in before
+            if (t.kind, t.stage) != ("W", 1)
+        ]
+        assert after == expect
+    assert "with_full_backward([1])" in repr(full)
+    with pytest.raises(TypeError, match="a stage is an int index"):
+        zb.with_full_backward(["1"])
 
 
 def test_data_dependent_tensor_crossing_stages_is_refused():

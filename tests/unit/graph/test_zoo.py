@@ -153,6 +153,26 @@ ARCHS: dict[str, Arch] = {
         _LAYERS,
         **_MOE,
     ),
+    # Routes with data-dependent shapes: ZB-H1 runs its MoE stages' whole
+    # backward (B) in place of I/W, and says so.
+    "jetmoe": Arch(
+        lambda: T.JetMoeForCausalLM(
+            T.JetMoeConfig(
+                vocab_size=96,
+                hidden_size=32,
+                num_hidden_layers=4,
+                num_key_value_heads=2,
+                kv_channels=8,
+                intermediate_size=32,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                max_position_embeddings=64,
+            )
+        ),
+        _LAYERS,
+        attention=("eager",),
+        **_MOE,
+    ),
     "gpt2": Arch(
         lambda: T.GPT2LMHeadModel(
             T.GPT2Config(
