@@ -123,22 +123,7 @@ class Schedule:
         """
         if stages is None:
             return _Recompute(self, None)
-        given: object = stages  # checked: the annotation is what it should be
-        if isinstance(given, (bool, str)) or not isinstance(given, Iterable):
-            fix = "e.g. [0, 1], or none for every stage"
-            if isinstance(given, int) and not isinstance(given, bool):
-                fix = f"write [{given}] for that one stage"
-            raise TypeError(
-                f"with_recompute takes stage indices, got {given!r} ({type(given).__name__}); "
-                + fix
-            )
-        chosen: list[object] = list(stages)
-        for s in chosen:
-            if not is_index(s):
-                raise TypeError(
-                    f"with_recompute: a stage is an int index, got {s!r} ({type(s).__name__})"
-                )
-        return _Recompute(self, frozenset(int(cast(int, s)) for s in chosen))
+        return _Recompute(self, _stage_indices(stages, "with_recompute", "or none for every stage"))
 
     def with_full_backward(self, stages: Iterable[int]) -> Schedule:
         """This schedule with `stages` running their whole backward (B) where
@@ -147,20 +132,33 @@ class Schedule:
         that cannot split (its shapes depend on the data, as MoE routing's
         do) under a zero-bubble schedule; the runner does this by itself
         with `split_backward="auto"`."""
-        chosen: list[object] = list(stages)
-        for s in chosen:
-            if not is_index(s):
-                raise TypeError(
-                    f"with_full_backward: a stage is an int index, got {s!r} ({type(s).__name__})"
-                )
-        return _FullBackward(self, frozenset(int(cast(int, s)) for s in chosen))
+        return _FullBackward(self, _stage_indices(stages, "with_full_backward", ""))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_microbatches={self.num_microbatches})"
 
 
-class _FullBackward(Schedule):
-    def __init__(self, base: Schedule, stages: frozenset[int]) -> None:
+def _stage_indices(stages: object, who: str, default: str) -> frozenset[int]:
+    """`stages` checked to be stage indices (an iterable of ints)."""
+    if isinstance(stages, (bool, str)) or not isinstance(stages, Iterable):
+        fix = f"e.g. [0, 1]{', ' + default if default else ''}"
+        if isinstance(stages, int) and not isinstance(stages, bool):
+            fix = f"write [{stages}] for that one stage"
+        raise TypeError(
+            f"{who} takes stage indices, got {stages!r} ({type(stages).__name__}); " + fix
+        )
+    chosen: list[object] = list(stages)
+    for s in chosen:
+        if not is_index(s):
+            raise TypeError(f"{who}: a stage is an int index, got {s!r} ({type(s).__name__})")
+    return frozenset(int(cast(int, s)) for s in chosen)
+
+
+class _Rewritten(Schedule):
+    """Another schedule's task lists, rewritten for some stages (None: all);
+    its placement."""
+
+    def __init__(self, base: Schedule, stages: frozenset[int] | None) -> None:
         super().__init__(base.num_microbatches)
         self._base = base
         self._stages = stages
@@ -168,12 +166,15 @@ class _FullBackward(Schedule):
     def placement(self, num_stages: int, num_ranks: int) -> list[int]:
         return self._base.placement(num_stages, num_ranks)
 
+
+class _FullBackward(_Rewritten):
     def tasks(self, num_stages: int, num_ranks: int, num_microbatches: int) -> list[list[Task]]:
+        chosen = self._stages or frozenset()
         out = []
         for rank in self._base.tasks(num_stages, num_ranks, num_microbatches):
             row = []
             for t in rank:
-                if t.stage in self._stages and kinds.splits_backward(t.kind):
+                if t.stage in chosen and kinds.splits_backward(t.kind):
                     if kinds.TABLE[t.kind].backward_parts != kinds.INPUT_PART:
                         continue  # W: B computed the weight gradients already
                     t = Task(kinds.BACKWARD, t.stage, t.microbatch)
@@ -182,7 +183,7 @@ class _FullBackward(Schedule):
         return out
 
     def __repr__(self) -> str:
-        return f"{self._base!r}.with_full_backward({sorted(self._stages)})"
+        return f"{self._base!r}.with_full_backward({sorted(self._stages or ())})"
 
 
 class _ListSchedule(Schedule):
@@ -198,15 +199,7 @@ class _ListSchedule(Schedule):
         return [list(r) for r in self._lists]
 
 
-class _Recompute(Schedule):
-    def __init__(self, base: Schedule, stages: frozenset[int] | None) -> None:
-        super().__init__(base.num_microbatches)
-        self._base = base
-        self._stages = stages
-
-    def placement(self, num_stages: int, num_ranks: int) -> list[int]:
-        return self._base.placement(num_stages, num_ranks)
-
+class _Recompute(_Rewritten):
     def tasks(self, num_stages: int, num_ranks: int, num_microbatches: int) -> list[list[Task]]:
         outside = sorted(s for s in self._stages or () if not 0 <= s < num_stages)
         if outside:
