@@ -66,6 +66,7 @@ from .agree import (
     digest_groups,
 )
 from .errors import CheckpointError, describe, raise_agreed, unwrap
+from .errors import own_rank as _rank
 from .extra import extra_templates, with_extra
 from .hf import HFLoadResult, load_hf, save_hf
 from .paths import Target, abandon, commit, plan
@@ -199,10 +200,6 @@ def _merge_param_groups(
                 )
             names.update(rank_groups[i]["params"])
         group["params"] = sorted(names, key=lambda n: order.get(n, len(order)))
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _agree(problem: BaseException | None) -> None:

@@ -60,6 +60,11 @@ def describe(err: BaseException | None) -> list[str] | None:
     return [name, err.args[0] if isinstance(err, KeyError) and err.args else str(err)]
 
 
+def own_rank() -> int:
+    """This process's rank (0 without torch.distributed)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def raise_agreed(problems: list[list[str] | None], mine: BaseException | None) -> None:
     """Raises the lowest failing rank's error on every rank: this rank's own
     exception where it failed first, else the same type and message."""
@@ -67,7 +72,7 @@ def raise_agreed(problems: list[list[str] | None], mine: BaseException | None) -
     if not failed:
         return
     rank, (name, message) = failed[0]
-    me = dist.get_rank() if dist.is_initialized() else 0
+    me = own_rank()
     if rank == me and mine is not None:
         raise mine
     others = f"rank {rank}: " if rank != me else ""

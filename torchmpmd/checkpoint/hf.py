@@ -40,11 +40,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from .agree import check_in
-from .errors import describe, raise_agreed
+from .errors import describe, own_rank, raise_agreed
 
 if TYPE_CHECKING:
     from ..runtime.runner import PipelineRunner
@@ -150,10 +149,6 @@ def _safetensors(call: str) -> Any:
             "(or torchmpmd[hf]; transformers installs it too)"
         ) from err
     return safetensors
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _local_tensors(runner: PipelineRunner) -> list[_Local]:
@@ -317,28 +312,19 @@ def load_hf(
     entries = check_in("load_hf (checked)", path, seconds, {"error": describe(problem)})
     try:
         raise_agreed([e["error"] for e in entries], problem)
-    except BaseException:
-        if files is not None:
-            files.close()
-        raise
-    assert files is not None
-    try:
+        assert files is not None
         _init_nonpersistent(runner)
         with torch.no_grad():
             for entry in local:
                 if entry.key is not None:
                     _read_into(files, entry.key, entry.tensor)
     finally:
-        files.close()
+        if files is not None:
+            files.close()
     return HFLoadResult(missing, unexpected, files.bytes_read)
 
 
 # ---- save
-
-
-def _canonical(runner: PipelineRunner, entry: _Local) -> str:
-    """The name a tensor is saved under: the model's first name for it."""
-    return runner.parameter_aliases().get(entry.names[0], entry.names)[0]
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -393,11 +379,11 @@ def save_hf(
     local: list[_Local] = []
     first_stage: dict[str, int] = {}
     try:
-        if _rank() == 0:
+        if own_rank() == 0:
             _check_target(target)
         local = _local_tensors(runner)
         for entry in local:
-            name = _canonical(runner, entry)
+            name = entry.names[0]  # the model's first name for it
             first_stage[name] = min(first_stage.get(name, entry.stage), entry.stage)
     except Exception as err:
         problem = err
@@ -418,7 +404,7 @@ def save_hf(
                 best[name], writer[name] = stage, r
     writers = sorted(set(writer.values()))
     file_of = _shard_names(writers)
-    me = _rank()
+    me = own_rank()
     problem = None
     written: dict[str, str] = {}
     total = 0
@@ -430,7 +416,7 @@ def save_hf(
         # Every rank gathers its DTensors in the same order (their meshes'
         # collectives), writers keep what they write.
         for entry in local:
-            name = _canonical(runner, entry)
+            name = entry.names[0]  # the model's first name for it
             writes = writer.get(name) == me and name not in mine
             if writes or isinstance(entry.tensor, DTensor):
                 value = _whole(entry.tensor)
