@@ -14,7 +14,6 @@ import contextlib
 import inspect
 import itertools
 import operator
-import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -26,6 +25,7 @@ from torch.export import ExportedProgram
 
 from .. import _C
 from .builder import GraphBuilder
+from .diagnose import ModuleTracker, host_random_message, trace_failure_message
 from .inputs import example_inputs
 from .markers import RECOMPUTE_REGION_OP, STAGE_END_OP, TRACE_LOCK, _tracing
 from .pipe import Pipe
@@ -205,44 +205,18 @@ def _memory_of(value: torch.Tensor) -> tuple[str, int]:
         return ("tensor", id(value))
 
 
-class _ModuleTracker:
-    """Knows which module calls are in progress, to say where tracing failed."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self._names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
-        self.stack: list[tuple[str, str]] = []
-
-    @contextlib.contextmanager
-    def watch(self) -> Iterator[None]:
-        def pre(module: torch.nn.Module, _args: Any) -> None:
-            if id(module) in self._names:
-                self.stack.append((self._names[id(module)], type(module).__name__))
-
-        def post(module: torch.nn.Module, _args: Any, _out: Any) -> None:
-            if id(module) in self._names and self.stack:
-                self.stack.pop()
-
-        handles = [
-            torch.nn.modules.module.register_module_forward_pre_hook(pre),
-            torch.nn.modules.module.register_module_forward_hook(post),
-        ]
-        try:
-            yield
-        finally:
-            for h in handles:
-                h.remove()
-
-
 def _export(
     model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> ExportedProgram:
-    tracker = _ModuleTracker(model)
+    tracker = ModuleTracker(model)
     try:
         with _tracing(), tracker.watch(), _checkpoints_marked():
-            return torch.export.export(model, args, kwargs, strict=False)
+            exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:  # re-raised with where and what to do
-        devices = {str(t.device) for t in itertools.chain(model.parameters(), model.buffers())}
-        raise RuntimeError(_trace_failure_message(exc, tracker.stack, devices)) from exc
+        raise RuntimeError(trace_failure_message(exc, tracker.stack, model)) from exc
+    if tracker.host_random is not None:
+        raise RuntimeError(host_random_message(*tracker.host_random))
+    return exported
 
 
 @contextlib.contextmanager
@@ -282,68 +256,6 @@ def _checkpoints_marked() -> Iterator[None]:
             delattr(function, "apply")
         else:
             setattr(function, "apply", own_apply)  # noqa: B010
-
-
-def _device_hint(model_devices: set[str]) -> str:
-    """What to do when an op met tensors on the meta device and a real one."""
-    if "meta" in model_devices:
-        return (
-            "the model's tensors are on the meta device and the code mixes them with "
-            "tensors on a real device (a buffer built there, or a tensor forward creates "
-            "without device=...); pass meta example inputs (real ones are traced as meta "
-            "tensors of the same shape), and build every tensor of the model on the meta "
-            "device (with torch.device('meta'): model = Model(...)) or on the device of an "
-            "input (device=x.device)"
-        )
-    where = ", ".join(sorted(model_devices)) or "a real device"
-    return (
-        f"the example inputs are on the meta device and the model's tensors on {where}: "
-        "pass example inputs on the model's device, or build the model under "
-        "torch.device('meta') too to trace it without memory"
-    )
-
-
-def _trace_failure_message(
-    exc: Exception, stack: list[tuple[str, str]], model_devices: set[str]
-) -> str:
-    if stack:
-        path, cls = stack[-1]
-        where = f"in module '{path}' ({cls})" if path else f"in the root module ({cls})"
-    else:
-        where = "outside any module call"
-    frames = [
-        f
-        for f in traceback.extract_tb(exc.__traceback__)
-        if f.line and "/torch/" not in f.filename and "/torchmpmd/" not in f.filename
-    ]
-    line = f" at {frames[-1].filename}:{frames[-1].lineno} `{frames[-1].line}`" if frames else ""
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    text = str(exc)
-    if "which is not a known type" in text or "register a pytree" in text:
-        hint = (
-            "the model returns or takes an object torch cannot flatten into tensors; return "
-            "only tensors (for Hugging Face models pass use_cache=False)"
-        )
-    elif "meta" in text and (
-        "DeviceMismatch" in type(exc).__name__
-        or any(s in text for s in ("two devices", "same device", "expected device"))
-    ):
-        hint = _device_hint(model_devices)
-    elif "data-dependent" in text or "GuardOnDataDependent" in text:
-        hint = (
-            "control flow depends on tensor values; make it depend on shapes or constants, "
-            "or use torch.cond"
-        )
-    else:
-        hint = "make that code traceable by torch.export (non-strict), or move it out of forward"
-    hint += (
-        "; or cut the model into stage modules by hand and run them eagerly: "
-        "mpmd.from_stages([stage0, stage1, ...], example_args)"
-    )
-    return (
-        f"mpmd.trace could not trace the model {where}{line}: {type(exc).__name__}: {first}. "
-        f"To fix: {hint}."
-    )
 
 
 # ----------------------------------------------------------------- graph rewrites

@@ -46,6 +46,28 @@ def _meta_ones_on_cpu() -> nn.Module:
         return _OnesOnCpu()
 
 
+class _LegacyParameter(nn.Module):
+    """Holds a parameter made by torch.Tensor(n), which ignores torch.device('meta')
+    (as Hugging Face's Wav2Vec2 does for masked_spec_embed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.offset = nn.Parameter(torch.Tensor(4).uniform_())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        h[x[:, 0] > 0] = self.offset  # index_put_: "Mismatching ... device between"
+        return h + self.offset
+
+
+def _meta_with_legacy_parameter() -> nn.Module:
+    with torch.device("meta"):
+        model = _LegacyParameter()
+    assert model.offset.device.type == "cpu" and model.proj.weight.is_meta
+    return model
+
+
 x, y = torch.randn(4, 4), torch.randn(4, 4)
 
 # (id, callable, exception type, message pattern)
@@ -71,7 +93,14 @@ CASES: list[Case] = [
         lambda: mpmd.trace(_meta_ones_on_cpu(), (x,)),
         RuntimeError,
         r"in the root module \(_OnesOnCpu\).*To fix: the model's tensors are on the meta device "
-        r"and the code mixes them with tensors on a real device.*pass meta example inputs",
+        r"and forward mixes them with a tensor it creates on a real device.*device=x.device",
+    ),
+    (
+        "meta model holding a tensor built off the meta device",
+        lambda: mpmd.trace(_meta_with_legacy_parameter(), (x,)),
+        RuntimeError,
+        r"in the root module \(_LegacyParameter\).*Mismatching.*To fix: the model is on the meta "
+        r"device but 1 of its tensors is not: 'offset' \(cpu\).*model.to\('meta'\)",
     ),
     (
         "real model traced with meta inputs",
