@@ -18,6 +18,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from .. import _C
+from .diagnose import unsupported_input_message
 from .names import aliases_of, tensor_names
 from .pipe import Pipe, StageSpec, TensorSpec, TransferInfo, static_numel
 from .plan import Plan, StageNodes
@@ -214,10 +215,8 @@ class GraphBuilder:
                 elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
                     kind, target, diff = _C.graph.NodeKind.buffer, spec.target, False
                 else:
-                    raise RuntimeError(
-                        f"mpmd.trace: the model takes a {spec.kind.name} input ('{node.name}'); "
-                        "pipelines support tensors, parameters, buffers and constants"
-                    )
+                    value = self.program.constants.get(spec.target) if spec.target else None
+                    raise RuntimeError(unsupported_input_message(node, spec.kind.name, value))
                 self._add(g, node, kind, target, diff, replicable=False, attached=False)
                 continue
             replicable = _is_replicable(node)

@@ -12,8 +12,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.fx as fx
 
-__all__ = ["ModuleTracker", "host_random_message", "trace_failure_message"]
+__all__ = [
+    "ModuleTracker",
+    "host_random_message",
+    "trace_failure_message",
+    "unsupported_input_message",
+]
 
 
 def _host_rng_state() -> tuple[Any, ...]:
@@ -91,6 +97,27 @@ def host_random_message(path: str, cls: str, which: str) -> str:
         "mask_time_prob=0.0 and mask_feature_prob=0.0 in the config); or cut the model into "
         "stage modules by hand and run them eagerly: mpmd.from_stages([stage0, stage1, ...], "
         "example_args)"
+    )
+
+
+def unsupported_input_message(node: fx.Node, kind: str, value: Any) -> str:
+    """Why the traced graph's input `node` (neither a tensor nor a parameter,
+    buffer or constant) cannot be pipelined."""
+    if not isinstance(value, torch.Generator):
+        return (
+            f"mpmd.trace: the model takes a {kind} input ('{node.name}'); "
+            "pipelines support tensors, parameters, buffers and constants"
+        )
+    user = next(iter(node.users), None)
+    stack = list((user.meta.get("nn_module_stack") or {}).values()) if user else []
+    path, cls = stack[-1] if stack else ("", "")
+    return (
+        f"mpmd.trace: {_where(path, cls.rpartition('.')[2])} draws random numbers from its own "
+        f"torch.Generator ({user.target if user else 'an op'} with generator=...); a "
+        "pipeline's stages draw from each rank's default generator, and cannot carry another "
+        "generator's state between stages and steps. To fix: drop generator=... and seed "
+        "torch's default generator (torch.manual_seed), or cut the model into stage modules "
+        "by hand and run them eagerly: mpmd.from_stages([stage0, stage1, ...], example_args)"
     )
 
 

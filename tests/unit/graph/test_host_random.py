@@ -48,6 +48,17 @@ class _Net(nn.Module):
         return self.last(self.middle(torch.tanh(self.first(x))))
 
 
+class _OwnGenerator(nn.Module):
+    """Draws its noise from a torch.Generator of its own (export lifts it as an object)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = torch.Generator().manual_seed(1)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * torch.rand(h.shape, generator=self.generator)
+
+
 class _TorchDropout(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return h * torch.bernoulli(torch.full_like(h, 0.5))
@@ -85,6 +96,15 @@ def test_torch_draws_and_draws_outside_forward_still_trace():
     first = pipe(x)
     second = pipe(x)
     assert not torch.equal(first, second)  # a fresh mask at each call, as in eager
+
+
+def test_a_generator_of_its_own_is_refused_naming_the_module():
+    with pytest.raises(
+        RuntimeError,
+        match=r"module 'middle' \(_OwnGenerator\) draws random numbers from its own "
+        r"torch.Generator.*To fix: drop generator=",
+    ):
+        mpmd.trace(_Net(_OwnGenerator()), (x,), split_before=["last"])
 
 
 @pytest.mark.slow
