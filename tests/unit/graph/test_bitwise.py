@@ -3,8 +3,9 @@ torch.export recorded from `model(x)`: it equals `model(x)` bitwise, except
 where the model's own code takes another path while it is exported. Hugging
 Face's Qwen3-Next asks `torch.compiler.is_exporting()` and then solves its
 gated delta rule's triangular system by forward substitution instead of
-`solve_triangular` (4.5e-8 apart on this tiny config); run along that path,
-the model equals the pipe bitwise again."""
+`solve_triangular` (4.5e-8 apart on this tiny config), and BEiT builds an
+explicit all-attend mask for SDPA (1.5e-8 apart); run along that path, each
+model equals the pipe bitwise again."""
 
 from __future__ import annotations
 
@@ -33,7 +34,10 @@ def test_pipe_equals_the_model_bitwise(attention):
     assert torch.equal(_logits(pipe(**kwargs)), model(**kwargs).logits)
 
 
-def test_beit_with_sdpa_equals_the_model_bitwise():
+def test_beit_differs_only_by_its_own_export_path():
+    # Exported, transformers never skips the bidirectional mask: SDPA gets
+    # an all-attend (batch, 1, L, L) mask added to the relative position bias
+    # where eager passes the bias alone, and takes another kernel path.
     torch.manual_seed(0)
     config = T.BeitConfig(
         image_size=16,
@@ -42,15 +46,20 @@ def test_beit_with_sdpa_equals_the_model_bitwise():
         num_hidden_layers=2,
         num_attention_heads=4,
         intermediate_size=64,
-        num_labels=4,
         use_relative_position_bias=True,
         drop_path_rate=0.0,  # stochastic depth draws differ from call to call
     )
     config._attn_implementation = "sdpa"
-    model = T.BeitForImageClassification(config)
+    model = T.BeitModel(config)
     x = torch.randn(2, 3, 16, 16)
-    pipe = mpmd.trace(model, (x,), split_before=["beit.layers.1"])
-    assert torch.equal(_logits(pipe(x)), model(x).logits)
+    pipe = mpmd.trace(model, (x,), split_before=["layers.1"])
+    piped = pipe(x)["last_hidden_state"]
+    eager = model(x).last_hidden_state
+    assert not torch.equal(piped, eager)
+    torch.testing.assert_close(piped, eager, rtol=0, atol=1e-6)
+    with unittest.mock.patch("torch.compiler.is_exporting", lambda: True):
+        along_export = model(x).last_hidden_state
+    assert torch.equal(piped, along_export)
 
 
 def test_qwen3_next_differs_only_by_its_own_export_path():
