@@ -194,7 +194,10 @@ class LocalPipeline:
             first = errors[0][2]
             for _, rank, err in errors[1:]:
                 if hasattr(first, "add_note"):  # Python >= 3.11
-                    first.add_note(f"then rank {rank}: {err}")
+                    said = str(err)
+                    # Most errors name their rank already.
+                    head = "then " if said.startswith(f"rank {rank}:") else f"then rank {rank}: "
+                    first.add_note(head + said)
             raise first
         self._rng.end_call()
         return results

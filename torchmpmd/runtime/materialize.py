@@ -259,6 +259,8 @@ def _root_init(root: torch.nn.Module, rank: int) -> Callable[[], object]:
 
 
 _Slots = dict[str, Any]
+_HF_INIT_MARK = "_is_hf_initialized"
+_UNSET = object()
 
 
 def _swapped_call(
@@ -285,9 +287,17 @@ def _swapped_call(
     for _, table, leaf, _, mine in slots:
         if mine is not None:
             table[leaf] = mine
+    # Hugging Face marks each module it initialised and skips it afterwards;
+    # the mark speaks of the tensors the module held then (another rank's, in
+    # one process, or the meta ones), never of this rank's fresh ones.
+    marks = [(owner, owner.__dict__.pop(_HF_INIT_MARK, _UNSET)) for _, owner in owners]
     try:
         call()
     finally:
+        for owner, mark in marks:
+            owner.__dict__.pop(_HF_INIT_MARK, None)
+            if mark is not _UNSET:
+                owner.__dict__[_HF_INIT_MARK] = mark
         replaced = []
         for name, table, leaf, original, mine in slots:
             now = table.get(leaf)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from models import eager_step, lm_loss, tokens
+from models import eager_step, hf_llama, lm_loss, tokens
 from public_models import GPT, GPTConfig, LayerNorm, Transformer, TransformerModelArgs
 
 import torchmpmd as mpmd
@@ -402,3 +402,37 @@ def test_a_meta_tensor_in_a_stage_is_named_before_the_first_step():
     x, y = tokens(32, 4 * M, 6, seed=1), tokens(32, 4 * M, 6, seed=2)
     with pytest.raises(RuntimeError, match=r"'norm.weight' \(stage 1\) is on the meta device"):
         local.step(x, target=y)
+
+
+def _logits_loss(out: object, y: torch.Tensor) -> torch.Tensor:
+    logits = out["logits"] if isinstance(out, dict) else out.logits  # type: ignore[attr-defined]
+    return lm_loss(logits, y)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("marked", [False, True], ids=["fresh", "initialised-on-meta"])
+def test_hugging_face_root_init_writes_every_rank(marked):
+    # Hugging Face marks each module it initialises (_is_hf_initialized) and
+    # skips it afterwards: the ranks sharing this process's model, or a model
+    # whose own init ran on the meta device first, must still be initialised.
+    with torch.device("meta"):
+        model = hf_llama().double()
+    if marked:
+        model.init_weights()
+    kwargs = {"use_cache": False}
+    ids = tokens(96, 2, 8).to("meta")
+    pipe = mpmd.trace(model, (ids,), kwargs, split_before=["model.layers.2"])
+    local = LocalPipeline(pipe, mpmd.schedules.OneFOneB(M), 2, loss_fn=_logits_loss, timeout=60)
+    local.init_weights()
+    ref = hf_llama().double()
+    ref.load_state_dict(_merged_state(local))  # strict: every tensor came from a rank
+    for runner in local.runners:
+        for name, t in runner.state_dict().items():
+            assert torch.isfinite(t).all(), name
+    # Each rank ran the model's init: std 0.02 weights, and RoPE's inverse frequencies.
+    assert 0.01 < float(ref.model.layers[3].mlp.down_proj.weight.detach().std()) < 0.03
+    x = tokens(96, 2 * M, 8, seed=3)
+    y = tokens(96, 2 * M, 8, seed=4)
+    outs = local.step(x, target=y, **kwargs)
+    losses = eager_step(lambda xb, yb: _logits_loss(ref(xb, **kwargs), yb), x, y, M)
+    _check_step(local, ref, outs, losses, 1e-10)
