@@ -88,6 +88,39 @@ def test_zero_bubble_runs_a_routed_stage_with_full_backward():
     assert {("I", 2), ("W", 2), ("W", 0)} <= kinds
 
 
+class RoutedTail(Routed):
+    """Four stages' worth of layers, for a V schedule on two ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.d = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.d(torch.tanh(super().forward(x)))
+
+
+@pytest.mark.slow
+def test_zbv_runs_a_routed_stage_with_full_backward():
+    # ZBV puts stages 0 and 3 on rank 0, 1 and 2 on rank 1: the routed stage
+    # 1 runs B on the rank whose other stage keeps I/W. Two steps, so the
+    # second step's routing differs from the first's. Exact.
+    _, _, x, y = _case()
+    with pytest.warns(UserWarning, match=r"ZBV splits the backward of stages \[1\].*'moe'"):
+        local, _ = trains_like_eager(
+            lambda: RoutedTail().double(),
+            x,
+            y,
+            square_loss,
+            ["moe", "c", "d"],
+            mpmd.schedules.ZBV(M),
+            2,
+            steps=2,
+        )
+    kinds = {(t.kind, t.stage) for r in local.runners for t in r.program.tasks(r.rank)}
+    assert ("B", 1) in kinds and ("I", 1) not in kinds and ("W", 1) not in kinds
+    assert {("I", 0), ("W", 0), ("I", 2), ("W", 2), ("W", 3)} <= kinds
+
+
 @pytest.mark.slow
 def test_splitting_a_routed_stage_by_force_says_how_not_to():
     model, _, x, y = _case()

@@ -102,6 +102,27 @@ def _decoder(
     return build
 
 
+def _convnext(
+    config: Callable[..., Any], model: Callable[[Any], nn.Module]
+) -> Callable[[], nn.Module]:
+    return lambda: model(
+        config(
+            image_size=16,
+            patch_size=4,
+            num_stages=3,
+            hidden_sizes=[8, 16, 24],
+            depths=[1, 1, 1],
+            num_labels=4,
+        )
+    )
+
+
+_CLASSIFY: dict[str, Any] = {
+    "inputs": _images,
+    "target": lambda b: torch.randint(0, 4, (b,), generator=_gen(b + 7)),
+    "loss": lambda out, y: F.cross_entropy(out.logits, y),
+}
+
 _LAYERS = ["model.layers.1", "model.layers.3"]
 _MOE = {"dtype": torch.float32}
 
@@ -151,6 +172,41 @@ ARCHS: dict[str, Arch] = {
             lambda **k: T.OlmoeConfig(**k), T.OlmoeForCausalLM, num_experts=4, num_experts_per_tok=2
         ),
         _LAYERS,
+        **_MOE,
+    ),
+    "qwen3_moe": Arch(
+        _decoder(
+            lambda **k: T.Qwen3MoeConfig(**k),
+            T.Qwen3MoeForCausalLM,
+            head_dim=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+        ),
+        _LAYERS,
+        attention=("eager",),
+        **_MOE,
+    ),
+    # Multi-head latent attention (low-rank queries and keys/values, every
+    # head its own key) and a dense first layer before the routed ones.
+    "deepseek_v3": Arch(
+        _decoder(
+            lambda **k: T.DeepseekV3Config(**{**k, "num_key_value_heads": 4}),
+            T.DeepseekV3ForCausalLM,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            kv_lora_rank=16,
+            q_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+        ),
+        _LAYERS,
+        attention=("eager",),
         **_MOE,
     ),
     # Routes with data-dependent shapes: ZB-H1 runs its MoE stages' whole
@@ -277,9 +333,7 @@ ARCHS: dict[str, Arch] = {
             )
         ),
         ["vit.layers.1", "vit.layers.3"],
-        inputs=_images,
-        target=lambda b: torch.randint(0, 4, (b,), generator=_gen(b + 7)),
-        loss=lambda out, y: F.cross_entropy(out.logits, y),
+        **_CLASSIFY,
     ),
     "swin": Arch(
         lambda: T.SwinForImageClassification(
@@ -294,28 +348,23 @@ ARCHS: dict[str, Arch] = {
             )
         ),
         ["swin.encoder.layers.1", "swin.encoder.layers.2"],
-        inputs=_images,
-        target=lambda b: torch.randint(0, 4, (b,), generator=_gen(b + 7)),
-        loss=lambda out, y: F.cross_entropy(out.logits, y),
+        **_CLASSIFY,
         attention=("eager",),
     ),
     # Its layers end in a permute: a stage's output (and so the gradient the
     # next stage sends back) is laid out channels-last, not contiguous.
     "convnext": Arch(
-        lambda: T.ConvNextForImageClassification(
-            T.ConvNextConfig(
-                image_size=16,
-                patch_size=4,
-                num_stages=3,
-                hidden_sizes=[8, 16, 24],
-                depths=[1, 1, 1],
-                num_labels=4,
-            )
-        ),
+        _convnext(T.ConvNextConfig, T.ConvNextForImageClassification),
         ["convnext.encoder.stages.1", "convnext.encoder.stages.2"],
-        inputs=_images,
-        target=lambda b: torch.randint(0, 4, (b,), generator=_gen(b + 7)),
-        loss=lambda out, y: F.cross_entropy(out.logits, y),
+        **_CLASSIFY,
+        attention=("eager",),
+    ),
+    # ConvNeXt V2's global response norm reduces over the channels-last
+    # layout its permute made.
+    "convnextv2": Arch(
+        _convnext(T.ConvNextV2Config, T.ConvNextV2ForImageClassification),
+        ["convnextv2.encoder.stages.1", "convnextv2.encoder.stages.2"],
+        **_CLASSIFY,
         attention=("eager",),
     ),
 }
