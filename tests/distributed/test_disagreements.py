@@ -195,7 +195,10 @@ def interrupted(rank: int, world: int) -> dict:
         for _ in range(100_000):
             runner.step(x, target=x)
 
-    return _outcome(steps)
+    # Whether Ctrl-C landed inside a step (which then told the peers why) or
+    # between two (in the loop, or splitting the next batch), where no runner
+    # call is running to tell them.
+    return {**_outcome(steps), "in_step": runner.failed_first}
 
 
 def test_ctrl_c_in_a_step_stays_a_keyboard_interrupt_and_stops_the_peers():
@@ -203,5 +206,31 @@ def test_ctrl_c_in_a_step_stays_a_keyboard_interrupt_and_stops_the_peers():
     assert results[0]["error"].startswith("KeyboardInterrupt"), results[0]
     for r in results[1:]:
         assert r["error"].startswith("PipelineError"), r
-        assert "KeyboardInterrupt" in r["error"], r
+        if results[0]["in_step"]:
+            assert "KeyboardInterrupt" in r["error"], r
+        else:  # rank 0 left between two steps: its peers lose it
+            assert "lost rank 0" in r["error"] and "may have died" in r["error"], r
+        assert r["after"] < 5, r
+
+
+def leaves_between_steps(rank: int, world: int) -> dict:
+    runner = _runner(timeout=20)
+    x = torch.randn(8, 4)
+
+    def steps() -> None:
+        for i in range(3):
+            if rank == 0 and i == 2:
+                raise KeyboardInterrupt
+            runner.step(x, target=x)
+
+    return {**_outcome(steps), "in_step": runner.failed_first}
+
+
+def test_ctrl_c_between_steps_loses_the_rank_within_the_timeout():
+    # No runner call is running on rank 0 to tell the peers why it left:
+    # they lose it at their next step's check-in, at once, naming it.
+    results = check_all(run_ranks(leaves_between_steps, 3, deadline=60))
+    assert results[0]["error"] == "KeyboardInterrupt: " and not results[0]["in_step"], results[0]
+    for r in results[1:]:
+        assert "lost rank 0" in r["error"] and "may have died" in r["error"], r
         assert r["after"] < 5, r
