@@ -59,9 +59,13 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    # A zombie (exited, not yet reaped) is gone for our purposes.
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split()[2] != "Z"
+    # A zombie (exited, not yet reaped) is gone for our purposes; so is one
+    # reaped since os.kill (its /proc entry vanishes as it is read).
+    try:
+        # "pid (comm) state ...": the name may hold spaces.
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_kill_a_rank_and_resume_bitwise(tmp_path):
