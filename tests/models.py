@@ -154,22 +154,25 @@ class MarkedMLP(MLP):
         return x
 
 
+# A tiny Hugging Face decoder's sizes, in its config's names: vocabulary 96,
+# 4 layers of width 32, 4 heads over 2 key-value heads.
+HF_DECODER: dict[str, Any] = {
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
+
+
 def hf_llama(attention: str = "eager", **config: Any) -> nn.Module:
-    """A tiny Hugging Face Llama (vocabulary 96, 4 layers of width 32, 4
-    heads over 2 key-value heads, tied embeddings); `config` overrides."""
+    """A tiny Hugging Face Llama (`HF_DECODER`, tied embeddings); `config`
+    overrides."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    settings = {
-        "vocab_size": 96,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 64,
-        "tie_word_embeddings": True,
-        **config,
-    }
+    settings = {**HF_DECODER, "tie_word_embeddings": True, **config}
     cfg = LlamaConfig(**settings)
     cfg._attn_implementation = attention
     return LlamaForCausalLM(cfg)

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers as T
-from models import _gen, lm_loss
+from models import HF_DECODER, _gen, lm_loss
 
 import torchmpmd as mpmd
 from torchmpmd.testing import LocalPipeline
@@ -86,18 +86,10 @@ class Arch:
 def _decoder(
     config: Callable[..., Any], model: Callable[[Any], nn.Module], **extra: Any
 ) -> Callable[[], nn.Module]:
+    settings = {**HF_DECODER, **extra}  # a model's own settings override the common ones
+
     def build() -> nn.Module:
-        cfg = config(
-            vocab_size=96,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            **extra,
-        )
-        return model(cfg)
+        return model(config(**settings))
 
     return build
 
@@ -191,8 +183,9 @@ ARCHS: dict[str, Arch] = {
     # head its own key) and a dense first layer before the routed ones.
     "deepseek_v3": Arch(
         _decoder(
-            lambda **k: T.DeepseekV3Config(**{**k, "num_key_value_heads": 4}),
+            lambda **k: T.DeepseekV3Config(**k),
             T.DeepseekV3ForCausalLM,
+            num_key_value_heads=4,  # its eager attention needs one per head
             n_routed_experts=4,
             num_experts_per_tok=2,
             moe_intermediate_size=32,
