@@ -212,3 +212,53 @@ def test_saving_twice_to_one_path_with_a_rank_that_writes_nothing(tmp_path: Path
     manifest = json.loads((tmp_path / "latest" / ".torchmpmd.json").read_text())
     assert manifest["files"]["__1_0.distcp"] == {"size": 0, "items": []}
     assert sorted(os.listdir(tmp_path)) == ["latest", "with-optimizer"]
+
+
+def async_saves_in_a_row(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    from torchmpmd.checkpoint import storage
+
+    runner, opt = _trained()
+    root = Path(tmp)
+    out: dict[str, Any] = {}
+    # A second async_save right after the first waits for it: both land.
+    first = ckpt.async_save(root / "a", runner, opt, extra={"step": 1})
+    second = ckpt.async_save(root / "b", runner, opt, extra={"step": 2})
+    out["both"] = _attempt(lambda: (first.result(timeout=30), second.result(timeout=30)))
+    # A slow disk on rank 1: a save that comes while the previous one still
+    # writes gives up after its timeout, on every rank, naming the save it
+    # waited for; the one writing lands.
+    original = storage.ChecksumWriter.write_data
+    if rank == 1:
+
+        def slow(self: Any, plan: Any, planner: Any) -> Any:
+            time.sleep(8)
+            return original(self, plan, planner)
+
+        storage.ChecksumWriter.write_data = slow  # type: ignore[method-assign]
+    writing = ckpt.async_save(root / "c", runner, opt)
+    out["meanwhile"] = _attempt(lambda: ckpt.async_save(root / "d", runner, opt, timeout=2))
+    out["writing"] = _attempt(lambda: writing.result(timeout=60))
+    storage.ChecksumWriter.write_data = original  # type: ignore[method-assign]
+    # The process group lives on: a step, a save, a load.
+    torch.manual_seed(2)
+    runner.step(torch.randn(4, 4), target=torch.randn(4, 2))
+    ckpt.save(root / "e", runner, opt)
+    out["loaded"] = ckpt.load(root / "b", runner, opt)
+    return out
+
+
+def test_an_async_save_before_the_last_one_is_written_waits_for_it(tmp_path: Path) -> None:
+    # Before: the second async_save's collectives met the first's on the
+    # default group; both hung until its timeout, neither checkpoint was
+    # written and the group was dead ("lost rank 1 ... may have died").
+    for r in check_all(run_ranks(async_saves_in_a_row, 2, str(tmp_path))):
+        assert r["both"]["error"] is None and r["both"]["seconds"] < 20, r["both"]
+        meanwhile = r["meanwhile"]
+        assert meanwhile["error"] is not None and meanwhile["seconds"] < 6, meanwhile
+        assert meanwhile["error"].startswith("TimeoutError: "), meanwhile
+        assert f"the previous async_save({str(tmp_path / 'c')!r})" in meanwhile["error"], meanwhile
+        assert "is still writing after 2 s" in meanwhile["error"], meanwhile
+        assert r["writing"]["error"] is None, r["writing"]
+        assert r["loaded"] == {"step": 2}, r
+    assert sorted(os.listdir(tmp_path)) == ["a", "b", "c", "e"]
+    assert all(ckpt.is_complete(tmp_path / name) for name in "abce")

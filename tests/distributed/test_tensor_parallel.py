@@ -627,11 +627,30 @@ def refusals(rank: int, world: int) -> dict[str, str]:
     untied = mpmd.trace(_llama(), (), {"input_ids": idx}, split_before=SPLITS[2])
     net = _Net()
     by_hand = mpmd.from_stages([net.embed, torch.nn.Sequential(*net.blocks, net.head)], (idx,))
+    traced = mpmd.trace(_Net(), (idx,), split_before=["blocks.1"])
+    tp_4 = init_device_mesh("cpu", (1, 4), mesh_dim_names=("pp", "tp"))
+
+    def plan(tp_plan: dict[str, str]) -> mpmd.RunnerOptions:
+        return mpmd.RunnerOptions(tp_plan=tp_plan)
+
+    up = {"blocks.*.up": "colwise"}
     cases = {
         "by hand": (by_hand, pp_tp, None),
         "plan without tp": (untied, pp_dp, mpmd.RunnerOptions(tp_plan={"x": "colwise"})),
         "compile": (untied, pp_tp, mpmd.RunnerOptions(compile=True)),
         "unknown style": (untied, pp_tp, mpmd.RunnerOptions(tp_plan={"lm_head": "isolated"})),
+        # Plans that match nothing, or shard nothing.
+        "typo": (untied, pp_tp, plan({"model.layers.*.self_attn.q_projj": "colwise"})),
+        "regex": (untied, pp_tp, plan({r"model\.layers\.\d+\.mlp\.up_proj": "colwise"})),
+        "empty": (untied, pp_tp, plan({})),
+        "extra prefix": (traced, pp_tp, plan({"model.blocks.*.up": "colwise"})),
+        "missing prefix": (untied, pp_tp, plan({"layers.*.mlp.up_proj": "colwise"})),
+        "container": (traced, pp_tp, plan({"blocks.*": "colwise"})),
+        "shards nothing": (traced, pp_tp, plan({"blocks.*.norm": "sequence_parallel"})),
+        "one typo among good keys": (traced, pp_tp, plan({**up, "blocks.*.dwn": "rowwise"})),
+        # Styles and sizes that do not fit.
+        "rowwise norm": (traced, pp_tp, plan({**up, "blocks.*.norm": "rowwise"})),
+        "heads": (untied, tp_4, None),  # the Llama's own plan, 2 key-value heads on tp 4
     }
     errors = {}
     for name, (pipe, mesh, options) in cases.items():
@@ -650,6 +669,27 @@ def test_what_tensor_parallelism_does_not_run_yet_is_refused_before_anything_run
         assert "stages [0, 1] were cut by hand" in errors["by hand"], errors
         assert "parallelize=fn" in errors["by hand"], errors
         assert "'lm_head' has style 'isolated'" in errors["unknown style"], errors
+        typo = errors["typo"]
+        assert "'model.layers.*.self_attn.q_projj' matches no module of the model" in typo, typo
+        assert "Closest module paths: 'model.layers.*.self_attn.q_proj'" in typo, typo
+        assert "not regular expressions" in errors["regex"], errors["regex"]
+        assert "tp_plan is empty: it shards nothing" in errors["empty"], errors["empty"]
+        assert "Drop the 'model.' prefix" in errors["extra prefix"], errors["extra prefix"]
+        missing = errors["missing prefix"]
+        assert "under 'model.': name it 'model.layers.*.mlp.up_proj'" in missing, missing
+        container = errors["container"]
+        assert "'blocks.*' matches 'blocks.0', 'blocks.1', which hold no parameters" in container
+        assert "'blocks.*.up'" in container, container
+        nothing = errors["shards nothing"]
+        assert "tp_plan shards no parameter of the model" in nothing, nothing
+        one = errors["one typo among good keys"]
+        assert "'blocks.*.dwn' matches no module" in one and "'blocks.*.down'" in one, one
+        norm = errors["rowwise norm"]
+        assert "'blocks.0.norm' (LayerNorm) is styled 'rowwise'" in norm, norm
+        assert "weight has 1 dimension(s)" in norm, norm
+        heads = errors["heads"]
+        assert "'model.layers.0.self_attn' (LlamaAttention)" in heads, heads
+        assert "config.num_key_value_heads is 2, which 4 tp ranks cannot share" in heads, heads
 
 
 def _tokens(step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from concurrent import futures
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -68,9 +69,11 @@ from .agree import (
 from .errors import CheckpointError, describe, raise_agreed, unwrap
 from .errors import own_rank as _rank
 from .extra import extra_templates, with_extra
+from .gathered import agree, save_gathered
 from .hf import HFLoadResult, load_hf, save_hf
 from .paths import Target, abandon, commit, plan
 from .storage import ChecksumWriter, PlainDataPlanner, VerifyingReader
+from .world import checkpoint_group, joined, single_process_dcp
 
 if TYPE_CHECKING:
     from ..runtime.runner import PipelineRunner
@@ -202,13 +205,25 @@ def _merge_param_groups(
         group["params"] = sorted(names, key=lambda n: order.get(n, len(order)))
 
 
-def _agree(problem: BaseException | None) -> None:
-    """Raises the lowest failing rank's error on every rank (a collective)."""
-    problems = [describe(problem)]
-    if dist.is_initialized():
-        problems = [None] * dist.get_world_size()
-        dist.all_gather_object(problems, describe(problem))
-    raise_agreed(problems, problem)
+# This process's last async_save: its path and future (a later save or load
+# waits for it to finish: the two would share the checkpoint group).
+_pending: tuple[Path, Future[None]] | None = None
+
+
+def _after_pending(call: str, seconds: float) -> None:
+    """Waits until this process's previous async_save has finished, at most
+    `seconds`; raises TimeoutError (every rank then, from the check-in) if
+    it has not."""
+    if _pending is None:
+        return
+    path, written = _pending
+    done, _ = futures.wait([written], timeout=seconds)
+    if not done:
+        raise TimeoutError(
+            f"checkpoint.{call}: the previous async_save({str(path)!r}) of rank {_rank()} is "
+            f"still writing after {seconds:g} s (a save or load waits for it, at most the "
+            "timeout); wait for its future (future.result()) first, or raise timeout="
+        )
 
 
 def _timeout(timeout: float | None, runner: PipelineRunner, call: str) -> float:
@@ -225,17 +240,19 @@ def _begin_save(
     optimizer: torch.optim.Optimizer | None,
     extra: Mapping[str, Any] | None,
     timeout: float | None,
-) -> tuple[Target, dict[str, Any]]:
+) -> tuple[Target, dict[str, Any], float]:
     """The check-in of a save: every rank is there, built its state, `extra`
     is plain data and equal on every rank, and rank 0 found `path` safe to
     write; raises on every rank alike otherwise, before anything is written.
-    Returns where to write and what (this rank's state, with `extra`)."""
+    Returns where to write, what (this rank's state, with `extra`) and the
+    call's timeout."""
     seconds = _timeout(timeout, runner, call)
     problem: Exception | None = None
     target: Target | None = None
     digest: dict[str, list[str]] = {}
     state: dict[str, Any] = {}
     try:
+        _after_pending(call, seconds)
         if path is None:
             raise TypeError(f"checkpoint.{call}: path is None; name a checkpoint directory")
         check_extra(extra)
@@ -278,7 +295,7 @@ def _begin_save(
         staging=Path(decided["staging"]),
         created=tuple(Path(p) for p in decided["created"]),
     )
-    return target, with_extra(state, extra, _rank())
+    return target, with_extra(state, extra, _rank()), seconds
 
 
 def save(
@@ -299,23 +316,32 @@ def save(
     `extra["per_rank"]`. `timeout`: seconds the ranks wait for each other at
     the start (default: the runner's). `checksums`: a CRC-32 of every stored
     item, checked by `load`."""
-    target, state = _begin_save("save", path, runner, optimizer, extra, timeout)
-    try:
-        writer = ChecksumWriter(target.staging, checksums=checksums)
-        dcp_save(state, storage_writer=writer)
-    except BaseException as err:
-        if _rank() == 0:
-            abandon(target)
-        if isinstance(err, CheckpointException):
-            raise unwrap(err, "save", target.path) from None
-        raise
-    problem: Exception | None = None
-    if _rank() == 0:
+    with joined(runner) as world:
+        target, state, seconds = _begin_save("save", path, runner, optimizer, extra, timeout)
+        if world is not None:
+            save_gathered(world, target, state, seconds, checksums)
+            return
         try:
-            commit(target)
-        except Exception as err:
-            problem = err
-    _agree(problem)
+            writer = ChecksumWriter(target.staging, checksums=checksums)
+            dcp_save(state, storage_writer=writer, process_group=_group(seconds))
+        except BaseException as err:
+            if _rank() == 0:
+                abandon(target)
+            if isinstance(err, CheckpointException):
+                raise unwrap(err, "save", target.path) from None
+            raise
+        problem: Exception | None = None
+        if _rank() == 0:
+            try:
+                commit(target)
+            except Exception as err:
+                problem = err
+        agree(problem, seconds, "save")
+
+
+def _group(seconds: float) -> dist.ProcessGroup | None:
+    """The group DCP runs its collectives on (world.checkpoint_group)."""
+    return checkpoint_group(seconds) if dist.is_initialized() else None
 
 
 def async_save(
@@ -331,39 +357,50 @@ def async_save(
     may go on while DCP writes. The future completes when this rank's part
     is written (on rank 0: when the checkpoint is in place). Wait for it
     before the next `async_save` (collective). Blocks for the check-in and
-    the copy; not thread-safe."""
-    target, state = _begin_save("async_save", path, runner, optimizer, extra, timeout)
-    try:
-        writer = ChecksumWriter(target.staging, checksums=checksums)
-        written = dcp_async_save(state, storage_writer=writer)
-    except BaseException as err:
-        if _rank() == 0:
-            abandon(target)
-        if isinstance(err, CheckpointException):
-            raise unwrap(err, "async_save", target.path) from None
-        raise
-    done: Future[None] = Future()
-
-    def finish(f: Any) -> None:
+    the copy; not thread-safe. A later save or load waits for this one to
+    finish (at most its timeout). A runner without a process group
+    (`testing.LocalPipeline`) saves before returning."""
+    global _pending
+    with joined(runner) as world:
+        if world is not None:
+            save(path, runner, optimizer, extra, timeout=timeout, checksums=checksums)
+            saved: Future[None] = Future()
+            saved.set_result(None)
+            return saved
+        target, state, seconds = _begin_save("async_save", path, runner, optimizer, extra, timeout)
         try:
-            f.result()
-        except BaseException as err:  # reported through the future
+            writer = ChecksumWriter(target.staging, checksums=checksums)
+            written = dcp_async_save(state, storage_writer=writer, process_group=_group(seconds))
+        except BaseException as err:
             if _rank() == 0:
                 abandon(target)
             if isinstance(err, CheckpointException):
-                err = unwrap(err, "async_save", target.path)
-            done.set_exception(err)
-            return
-        try:
-            if _rank() == 0:
-                commit(target)
-            done.set_result(None)
-        except BaseException as err:
-            done.set_exception(err)
+                raise unwrap(err, "async_save", target.path) from None
+            raise
+        done: Future[None] = Future()
+        rank = _rank()
 
-    upload = written.upload_completion if hasattr(written, "upload_completion") else written
-    upload.add_done_callback(finish)
-    return done
+        def finish(f: Any) -> None:
+            try:
+                f.result()
+            except BaseException as err:  # reported through the future
+                if rank == 0:
+                    abandon(target)
+                if isinstance(err, CheckpointException):
+                    err = unwrap(err, "async_save", target.path)
+                done.set_exception(err)
+                return
+            try:
+                if rank == 0:
+                    commit(target)
+                done.set_result(None)
+            except BaseException as err:
+                done.set_exception(err)
+
+        upload = written.upload_completion if hasattr(written, "upload_completion") else written
+        upload.add_done_callback(finish)
+        _pending = (target.path, done)
+        return done
 
 
 def load(
@@ -389,20 +426,29 @@ def load(
             "for None and start from scratch"
         )
     source = Path(path)
-    check_in("load", source, _timeout(timeout, runner, "load"), {})
-    problem: Exception | None = None
-    try:
-        reader, view, state, own, local_groups = _prepare_load(
-            source, runner, optimizer, weights_only
-        )
-    except Exception as err:
-        problem = err
-    _agree(problem)
-    planner = PlainDataPlanner(source, weights_only=weights_only)
-    try:
-        dcp_load(state, storage_reader=reader, planner=planner)
-    except CheckpointException as err:
-        raise unwrap(err, "load", source) from None
+    with joined(runner) as world:
+        seconds = _timeout(timeout, runner, "load")
+        check_in("load", source, seconds, {})
+        problem: Exception | None = None
+        try:
+            _after_pending("load", seconds)
+            reader, view, state, own, local_groups = _prepare_load(
+                source, runner, optimizer, weights_only
+            )
+        except Exception as err:
+            problem = err
+        agree(problem, seconds, "load")
+        planner = PlainDataPlanner(source, weights_only=weights_only)
+        try:
+            if world is not None:  # each rank reads its own entries
+                with single_process_dcp():
+                    dcp_load(state, storage_reader=reader, planner=planner, no_dist=True)
+            else:
+                dcp_load(
+                    state, storage_reader=reader, planner=planner, process_group=_group(seconds)
+                )
+        except CheckpointException as err:
+            raise unwrap(err, "load", source) from None
     if "optim" in state:
         # The checkpoint lists the whole model's parameters; this rank's are its own.
         for group, mine in zip(state["optim"]["param_groups"], local_groups, strict=True):

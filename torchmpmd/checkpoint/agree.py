@@ -6,7 +6,9 @@ store; rank 0 waits for every rank's entry up to a timeout and posts a
 verdict. A rank that does not see a verdict in time posts its own failure in
 its place (`compare_set`: the first verdict stands), so every rank acts on
 one verdict and a rank that never calls fails the others within the
-timeout, naming it, instead of leaving them in a collective.
+timeout, naming it, instead of leaving them in a collective. The ranks of a
+runner without a process group (`testing.LocalPipeline`) exchange their
+entries over the runner's own transport instead (world.py).
 
 `extra` holds tensors and plain Python data only (it loads without running
 code) and, except `extra["per_rank"]`, must be equal on every rank: each rank
@@ -32,6 +34,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Store, _get_default_store
 
+from ..runtime.transport import TransportError
+from .world import current, timed_out
+
 PER_RANK = "per_rank"
 _PREFIX = "torchmpmd.checkpoint"
 _GRACE = 5.0  # extra seconds other ranks wait for rank 0's verdict
@@ -49,6 +54,15 @@ def check_in(call: str, path: object, timeout: float, entry: dict[str, Any]) -> 
     """Posts `entry` and returns every rank's, once all ranks called
     `checkpoint.<call>` with the same path; raises TimeoutError naming the
     ranks that did not arrive within `timeout` seconds, on every rank."""
+    own = current()
+    if own is not None:
+        posted = {"call": call, "path": str(path), **entry}
+        try:
+            entries = own.exchange(posted, timeout, f"the check-in of checkpoint.{call}")
+        except TransportError as err:
+            raise timed_out(call, err) from None
+        _same_call(entries, call, path, own.rank)
+        return entries
     if not dist.is_initialized():
         return [entry]
     store = _get_default_store()
@@ -84,6 +98,11 @@ def check_in(call: str, path: object, timeout: float, entry: dict[str, Any]) -> 
         _forget(store, f"{_PREFIX}/{n - 1}/{me}")
         if me == 0:
             _forget(store, f"{_PREFIX}/{n - 1}/verdict")
+    _same_call(entries, call, path, me)
+    return entries
+
+
+def _same_call(entries: list[Any], call: str, path: object, me: int) -> None:
     for r, other in enumerate(entries):
         if other["call"] != call or other["path"] != str(path):
             raise RuntimeError(
@@ -92,7 +111,6 @@ def check_in(call: str, path: object, timeout: float, entry: dict[str, Any]) -> 
                 f"({other['path']!r}). Every rank must save and load the same checkpoint at the "
                 "same step"
             )
-    return entries
 
 
 def _forget(store: Store, key: str) -> None:

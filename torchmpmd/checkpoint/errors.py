@@ -11,7 +11,6 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
-import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 # Set on exceptions raised by this package (their message is complete); kept
@@ -61,8 +60,12 @@ def describe(err: BaseException | None) -> list[str] | None:
 
 
 def own_rank() -> int:
-    """This process's rank (0 without torch.distributed)."""
-    return dist.get_rank() if dist.is_initialized() else 0
+    """This rank in the checkpoint call's world: the process's rank (0
+    without torch.distributed), or its runner's where the runner has a
+    transport of its own (world.py)."""
+    from .world import own_rank as rank
+
+    return rank()
 
 
 def raise_agreed(problems: list[list[str] | None], mine: BaseException | None) -> None:

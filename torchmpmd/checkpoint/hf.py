@@ -23,7 +23,8 @@ writing rank, the index, and `config.json` (and `generation_config.json`)
 from the model's config. The directory is written beside `path` and renamed
 into place once complete, so `path` is never a partial checkpoint.
 
-Both are collectives: call them on every rank. A rank's error (a missing or
+Both are collectives: call them on every rank (with `testing.LocalPipeline`,
+on each rank's thread: `lp.on_all_ranks(lambda r: save_hf(path, r))`). A rank's error (a missing or
 wrongly shaped tensor, an unwritable path) is raised on every rank.
 """
 
@@ -44,6 +45,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from .agree import check_in
 from .errors import describe, own_rank, raise_agreed
+from .world import joined
 
 if TYPE_CHECKING:
     from ..runtime.runner import PipelineRunner
@@ -274,6 +276,13 @@ def load_hf(
     With `strict`, a local tensor the checkpoint lacks or a checkpoint tensor
     the model has no place for is an error naming it; a wrongly shaped
     tensor always is. Returns what was missing, unexpected and read."""
+    with joined(runner):
+        return _load_hf(path, runner, strict, timeout)
+
+
+def _load_hf(
+    path: str | os.PathLike[str], runner: PipelineRunner, strict: bool, timeout: float | None
+) -> HFLoadResult:
     seconds = runner.timeout if timeout is None else timeout
     check_in("load_hf", path, seconds, {})
     source = runner.pipe.source
@@ -372,6 +381,13 @@ def save_hf(
     that `from_pretrained(path)` loads (collective: call on every rank).
     `config` (a `PretrainedConfig`; default: the model's own `.config`) is
     written as `config.json`. `path` must be new or an empty directory."""
+    with joined(runner):
+        _save_hf(path, runner, config, timeout)
+
+
+def _save_hf(
+    path: str | os.PathLike[str], runner: PipelineRunner, config: Any, timeout: float | None
+) -> None:
     seconds = runner.timeout if timeout is None else timeout
     target = Path(path).resolve()
     staging = target.parent / f".{target.name}.save_hf-{uuid.uuid4().hex[:8]}"

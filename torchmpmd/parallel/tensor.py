@@ -54,6 +54,7 @@ from ..graph.pipe import StageSpec, TensorSpec
 from ..graph.stage import as_stage
 from . import tensor_ops  # noqa: F401  (sharding strategies DTensor lacks)
 from .tensor_grads import ShardedGrads
+from .tensor_random import draws_random, random_op
 
 __all__ = ["STYLES", "TensorParallel", "TensorPlan", "placed", "replicated"]
 
@@ -119,6 +120,8 @@ class TensorPlan:
     format; the first pattern that matches a module's whole path wins."""
 
     rules: tuple[tuple[str, str], ...]
+    where: str = "tp_plan"  # where it came from, for messages
+    explicit: bool = True  # the user's (else the model's own)
 
     @staticmethod
     def of(plan: Mapping[str, str], where: str = "tp_plan") -> TensorPlan:
@@ -135,7 +138,7 @@ class TensorPlan:
                     f"{where}: {key!r} has style {style!r}, which torchmpmd does not run; use "
                     f"one of {', '.join(STYLES)}"
                 )
-        return TensorPlan(tuple(plan.items()))
+        return TensorPlan(tuple(plan.items()), where, where == "tp_plan")
 
     @staticmethod
     def for_model(plan: Mapping[str, str] | None, source: torch.nn.Module | None) -> TensorPlan:
@@ -352,6 +355,9 @@ class TensorParallel:
           a value received as sequence shards (`boundary`, from `spec`'s
           received values and their `transfers` specs) becomes a DTensor
           sharded along the sequence;
+        - every random op that reads a tensor runs through
+          `tensor_random.random_op`: the same draws on every tp peer, and
+          on sharded values the unsharded model's (`tensor_random`);
         - the values a styled module hands to the rest of the graph are
           redistributed as its style says (`_REPLICATED_OUTPUT`), where the
           module ends; under sequence parallelism row-parallel layers and
@@ -396,8 +402,10 @@ class TensorParallel:
                     _insert_after(graph, node, target, outside)
         if sequence:
             self._place_module_inputs(graph, attributes)
+        randoms = _random_nodes(graph)
         graph.lint()
-        parts = {
+        parts: dict[str, torch.nn.Module] = {
+            **randoms,
             "_tp_attributes": _Attributes(module),
             "_tp_replicated": _Placed(self.mesh, Replicate()),
             "_tp_sequence": _Placed(self.mesh, Shard(1)),
@@ -478,6 +486,37 @@ class TensorParallel:
             return pytree.tree_map(lambda v: local(v, Replicate()), out)
 
         return run
+
+
+class _Random(torch.nn.Module):
+    """Random aten op `op` on DTensors, drawn as the unsharded stage draws
+    (`tensor_random.random_op`)."""
+
+    def __init__(self, op: Any) -> None:
+        super().__init__()
+        self.op = op
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return random_op(self.op, args, kwargs)
+
+
+def _random_nodes(graph: fx.Graph) -> dict[str, torch.nn.Module]:
+    """Calls `_Random` in place of each random op of `graph` that reads a
+    tensor (one made from nothing, `randn(shape)`, enters replicated:
+    `_enters`); the modules, by name."""
+    modules: dict[str, torch.nn.Module] = {}
+    for node in list(graph.nodes):
+        op = node.target
+        if node.op != "call_function" or not node.all_input_nodes or not draws_random(op):
+            continue
+        name = "_tp_random_" + str(op).replace(".", "_")
+        modules.setdefault(name, _Random(op))
+        with graph.inserting_before(node):
+            call = graph.call_module(name, node.args, node.kwargs)
+        call.meta = dict(node.meta)
+        node.replace_all_uses_with(call)
+        graph.erase_node(node)
+    return modules
 
 
 class _Placed(torch.nn.Module):

@@ -18,6 +18,7 @@ from ..graph.pipe import Pipe, TensorSpec
 from ..graph.stage import as_stage
 from ..parallel.fsdp import Parallelize
 from ..parallel.tensor import TensorParallel, TensorPlan
+from ..parallel.tensor_checks import check_plan
 from ..schedule.task import is_index, recomputed_stages, require_schedule
 
 if TYPE_CHECKING:
@@ -192,7 +193,10 @@ def tensor_parallelism(
             "PipelineRunner: torch.compile of tensor-parallel stages is not supported yet; "
             "leave RunnerOptions.compile off with a 'tp' mesh dimension"
         )
-    return TensorParallel(TensorPlan.for_model(plan, pipe.source), mesh["tp"], mesh, parallelize)
+    tensor_plan = TensorPlan.for_model(plan, pipe.source)
+    if pipe.source is not None:
+        check_plan(tensor_plan, pipe.source, int(mesh["tp"].size()))
+    return TensorParallel(tensor_plan, mesh["tp"], mesh, parallelize)
 
 
 def check_dtypes(pipe: Pipe, flat: list[Any]) -> None:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .. import _C
+from ..parallel.tensor_random import share_generators
 from . import gloo_threads
 from .checkin import Call, check_in
 from .failures import first_line
@@ -61,6 +62,9 @@ class Collective:
         describe_job: Callable[[], list[str]],
     ) -> None:
         self.transport = transport
+        # A transport of the runner's own (no process group): checkpoints
+        # coordinate over it (checkpoint/world.py).
+        self.own_transport = own_transport
         self.rank: int = transport.rank
         self.timeout = timeout
         self._board = board
@@ -119,6 +123,9 @@ class Collective:
             hook = self.first_call_hook
             if was_first and hook is not None and kind not in ("init_weights", "load_state_dict"):
                 hook()
+            if self._tp_group is not None and kind in ("step", "eval_step"):
+                # Stages draw random numbers (dropout): tp peers draw alike.
+                share_generators(self._tp_group, self._device)
             yield
         except BaseException as err:
             self._failed(kind, err)

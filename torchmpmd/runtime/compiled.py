@@ -28,6 +28,7 @@ from ..graph.pipe import Pipe, TensorSpec
 from ..graph.split import data_dependent
 from ..graph.stage import as_stage
 from ..parallel.tensor import TensorParallel
+from ..parallel.tensor_random import with_random_ops
 from ..schedule.kinds import recomputes, splits_backward
 from ..schedule.program import Edge, Program, StageCollectives, StageGraph, compile_schedule
 from ..schedule.task import Schedule
@@ -152,10 +153,13 @@ class CompiledPipe:
                 tensor.shard(traced, pipe.parameter_aliases, pipe.source)
                 tensor.apply_parallelize(modules)
             transfers = {t.value: t.spec for t in pipe.transfers}
-            # A stage cut by hand runs the user's tensor parallelism as it is.
+            # A stage cut by hand runs the user's tensor parallelism as it is
+            # (its random ops drawn as a traced stage's are: tensor_random).
             self.stages.wrap_forwards(
                 lambda s, call: tensor.wrap(
-                    tensor.rewrite(modules[s], specs[s], transfers) if s in traced else call,
+                    tensor.rewrite(modules[s], specs[s], transfers)
+                    if s in traced
+                    else with_random_ops(call),
                     specs[s],
                     transfers,
                 )

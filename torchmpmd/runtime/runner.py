@@ -321,6 +321,14 @@ class PipelineRunner:
         return self._collective.timeout
 
     @property
+    def own_transport(self) -> Transport | None:
+        """The transport of a runner built on one of its own (`transport=`,
+        as `testing.LocalPipeline`'s ranks are), over which its checkpoints
+        coordinate; None for a runner on a process group."""
+        collective = self._collective
+        return collective.transport if collective.own_transport else None
+
+    @property
     def dp_group(self) -> dist.ProcessGroup | None:
         """The data-parallel process group (the mesh's "dp"), if any."""
         return self._collective.dp_group
