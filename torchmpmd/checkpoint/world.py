@@ -9,8 +9,8 @@ take itself for rank 0 of a world of one, and the ranks would write over one
 another's files. Inside a checkpoint call such a rank joins its runner's
 world (`joined`): its rank is the runner's, the check-ins and agreements go
 over the runner's transport, and `save` hands every rank's state to rank 0,
-which writes the one checkpoint (the files a job of processes writes, keyed
-alike, loadable into any layout).
+which writes the one checkpoint (gathered.py: the files a job of processes
+writes, keyed alike, loadable into any layout).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ..runtime.transport import Transport, TransportError, recv, send
+from ..runtime.transport import Transport, TransportError, all_gather, recv, send
 
 if TYPE_CHECKING:
     from ..runtime.runner import PipelineRunner
@@ -56,22 +56,8 @@ class TransportWorld:
 
     def exchange(self, value: Any, timeout: float, what: str) -> list[Any]:
         """Every rank's `value` (plain data or tensors), by rank."""
-        payload = _encode(value)
-        out: list[Any] = [value] * self.size
-        me = self.rank
-        # Pairs in one global order (as transport.all_gather): no deadlock.
-        for a in range(self.size):
-            for b in range(a + 1, self.size):
-                if me not in (a, b):
-                    continue
-                peer = b if me == a else a
-                if me == a:
-                    self._send(payload, peer, timeout, what)
-                    out[peer] = self._recv(peer, timeout, what)
-                else:
-                    out[peer] = self._recv(peer, timeout, what)
-                    self._send(payload, peer, timeout, what)
-        return out
+        rows = all_gather(self.transport, _encode(value).view(-1, 1), timeout, what)
+        return [value if r == self.rank else _decode(row.view(-1)) for r, row in enumerate(rows)]
 
     def gather(self, value: Any, timeout: float, what: str) -> list[Any] | None:
         """Every rank's `value` on rank 0 (by rank); None elsewhere."""
@@ -92,8 +78,7 @@ class TransportWorld:
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
         if payload.numel():
             recv(self.transport, payload, peer, _TAG + 1, timeout, what)
-        # The runner's own ranks, in this job: their state, not a file.
-        return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
+        return _decode(payload)
 
 
 # DCP warns at every call without a process group that it assumes one
@@ -117,6 +102,11 @@ def _encode(value: Any) -> torch.Tensor:
     buffer = io.BytesIO()
     torch.save(value, buffer)
     return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def _decode(payload: torch.Tensor) -> Any:
+    # The runner's own ranks, in this job: their state, not a file.
+    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
 
 
 @contextlib.contextmanager
