@@ -12,14 +12,20 @@ predicted fastest within `slack` of the plan, runs each on the real job for
 `rounds` steps in turns (one step of each per round, each round starting
 one later) and keeps the measured medians. Collective: every rank of the
 pipeline's group calls it with its part of the same batch, and rank 0's
-choice is every rank's. The model's parameters, gradients, buffers and the
-random state are as they were before.
+choice is every rank's. The ranks check in (through the process group's
+store) before any work, so a rank that does not call it fails every rank
+within the runners' timeout instead of leaving them in a collective. The
+model's parameters, gradients, buffers and the random state are as they
+were before.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import datetime
+import json
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _get_default_store
 
 from .planner import trace
 from .planner.plan import Candidate, Plan, _simplicity
@@ -35,6 +42,11 @@ from .planner.splits import splits_backward
 from .runtime import PipelineRunner, RunnerOptions
 
 __all__ = ["refine"]
+
+_PREFIX = "torchmpmd.refine"
+_GRACE = 2.0  # extra seconds the other ranks wait for the first rank's verdict
+# refine calls per group, alike on every rank of the group
+_calls: collections.Counter[str] = collections.Counter()
 
 
 def refine(
@@ -57,9 +69,10 @@ def refine(
     no split backward, least recompute), as in `mpmd.plan`. The candidates
     are the plan and, per family (stage count, split backward), the fastest
     predicted within `slack` x the plan's prediction. `options` are the
-    runners' (their `recompute` is each candidate's own). Every candidate's
-    median is in `.measured`; a candidate other than the plan comes back
-    without `.balance`."""
+    runners' (their `recompute` is each candidate's own); a rank that does
+    not call refine within their `timeout` fails every rank. Every
+    candidate's median is in `.measured`; a candidate other than the plan
+    comes back without `.balance`."""
     if not isinstance(plan, Plan):
         raise TypeError(f"mpmd.refine: plan must be what mpmd.plan returned, got {plan!r}")
     if not isinstance(rounds, int) or rounds < 1 or not isinstance(warmup, int) or warmup < 0:
@@ -69,6 +82,11 @@ def refine(
         )
     if not isinstance(slack, int | float) or slack < 1:
         raise ValueError(f"mpmd.refine: slack must be a number >= 1, got {slack!r}")
+    if options is not None and not isinstance(options, RunnerOptions):
+        raise TypeError(
+            f"mpmd.refine: options must be an mpmd.RunnerOptions, got {type(options).__name__}"
+        )
+    base = options or RunnerOptions()
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "mpmd.refine runs the candidates on the job's ranks: call it on every rank under "
@@ -81,9 +99,17 @@ def refine(
             f"mpmd.refine: the plan is for {plan.num_ranks} ranks but the group has {size}; "
             "pass the pipeline's group (group=...)"
         )
-    rows = _rows(batch_args)
-    chosen = _candidates(plan, slack, rows)
-    base = options or RunnerOptions()
+    problem: Exception | None = None
+    try:
+        rows = _rows(batch_args)
+        chosen = _candidates(plan, slack, rows)
+    except ValueError as err:  # the other ranks hear of it at the check-in
+        problem, rows = err, 0
+    call = {"plan": f"{plan.schedule!r} split_before={plan.split_before}", "rows": rows}
+    call |= {"rounds": rounds, "warmup": warmup, "problem": str(problem) if problem else None}
+    _check_in(group, base.timeout, call)
+    if problem is not None:
+        raise problem
     with _model_kept(model):
         runners = [_runner(c, model, batch_args, rows, loss_fn, base, group) for c in chosen]
         times = _measure(runners, batch_args, target, rounds, warmup, group)
@@ -121,6 +147,60 @@ def refine(
         alternatives=tuple(others + rest),
         balance=kept,
     )
+
+
+def _check_in(
+    group: dist.ProcessGroup | None, timeout: float | datetime.timedelta, entry: dict[str, Any]
+) -> None:
+    """Posts this rank's call in the default store; the group's first rank
+    waits up to `timeout` for every rank's and posts a verdict. A rank that
+    sees no verdict in time posts its own failure in its place (the first
+    verdict stands), so every rank raises the same error, naming the ranks
+    that did not call. Then the calls must agree."""
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    store = _get_default_store()
+    ranks = dist.get_process_group_ranks(group) if group else list(range(dist.get_world_size()))
+    name = getattr(group or dist.group.WORLD, "group_name", "-".join(map(str, ranks)))
+    _calls[name] += 1
+    me, n = dist.get_rank(), _calls[name]
+    keys = {r: f"{_PREFIX}/{name}/{n}/{r}" for r in ranks}
+    verdict_key = f"{_PREFIX}/{name}/{n}/verdict"
+    store.set(keys[me], json.dumps(entry))
+    mine: dict[str, Any] = {"missing": [], "by": ranks[0]}
+    if me == ranks[0]:
+        with contextlib.suppress(RuntimeError):  # who is missing is read below
+            store.wait(list(keys.values()), datetime.timedelta(seconds=seconds))
+        mine["missing"] = [r for r in ranks if not store.check([keys[r]])]
+    else:
+        try:
+            store.wait([verdict_key], datetime.timedelta(seconds=seconds + _GRACE))
+        except RuntimeError:
+            mine = {"missing": [ranks[0]], "by": me}
+    try:
+        verdict = json.loads(store.compare_set(verdict_key, "", json.dumps(mine)))
+    except RuntimeError:  # the store went with its host's process
+        verdict = mine
+    if verdict["missing"]:
+        raise TimeoutError(
+            f"mpmd.refine is a collective: every rank of the pipeline's group must call it. "
+            f"Rank(s) {verdict['missing']} did not call it within {seconds:g} s (rank "
+            f"{verdict['by']} waited for them; this is rank {me}, in its mpmd.refine call {n}). "
+            "Call it on every rank with the same plan and batch, or raise "
+            "RunnerOptions(timeout=...) if a rank is only slow"
+        )
+    if entry["problem"] is not None:
+        return  # the caller raises its own
+    for r in ranks:
+        other = json.loads(store.get(keys[r]))
+        if other["problem"] is not None:
+            raise ValueError(f"mpmd.refine: rank {r} could not run it: {other['problem']}")
+        differ = [k for k in ("plan", "rows", "rounds", "warmup") if other[k] != entry[k]]
+        if differ:
+            raise ValueError(
+                f"mpmd.refine: rank {me} and rank {r} were given different {differ[0]} "
+                f"({entry[differ[0]]!r} and {other[differ[0]]!r}); pass the same plan (mpmd.plan "
+                "gives every rank rank 0's), batch, rounds and warmup on every rank"
+            )
 
 
 def _as_candidate(plan: Plan) -> Candidate:

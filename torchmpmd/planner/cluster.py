@@ -20,18 +20,24 @@ tensor-parallel collectives with compute (async TP), kernels that reach a
 different fraction of the peak at different shapes, the optimizer step,
 memory outside activations (parameters, gradients, optimizer states),
 contention between the pipeline's sends and the data-parallel collectives,
-and stragglers. Its use is to rank schedules and layouts, as the
-published figures it is checked against rank them.
+and stragglers. So memory is checked against `Machine.memory` on the
+activations alone: a layout whose simulated peak exceeds it is projected
+with a warning and `Projection.fits_memory` False. Its use is to rank
+schedules and layouts, as the published figures it is checked against
+rank them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..graph.format import human_bytes
+from ..schedule.program import Lowering
 from ..schedule.task import Schedule
 from ..schedule.timeline import Timeline
 from .results import Profile, UnitTransfer
@@ -88,6 +94,27 @@ class TransformerShape:
     gated: bool = True
     causal: bool = True
     bytes_per_value: int = 2  # activations and parameters (bf16)
+
+    def __post_init__(self) -> None:
+        sizes = ("layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab", "bytes_per_value")
+        for name in sizes:
+            _check_size(f"TransformerShape.{name}", getattr(self, name))
+        for name in ("gated", "causal"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(
+                    f"TransformerShape.{name} must be True or False, got {getattr(self, name)!r}"
+                )
+        if self.hidden % self.heads:
+            raise ValueError(
+                f"TransformerShape: heads={self.heads} does not divide hidden={self.hidden}; "
+                "a head is hidden / heads wide, so give the model's own sizes"
+            )
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"TransformerShape: kv_heads={self.kv_heads} does not divide heads={self.heads}; "
+                "each key-value head serves a whole group of query heads (kv_heads=heads "
+                "without grouped-query attention)"
+            )
 
     @staticmethod
     def from_config(config: Any) -> TransformerShape:
@@ -150,6 +177,8 @@ class Projection:
     fsdp_time: float
     tokens_per_second_per_device: float
     peak_activation_bytes: list[int]
+    # Whether the largest peak fits Machine.memory (activations alone).
+    fits_memory: bool
     timeline: Timeline = dataclasses.field(repr=False, compare=False)
 
 
@@ -173,15 +202,28 @@ def project(
     sequences of `seq_len` tokens. `recompute`: full activation
     checkpointing (each stage's forward again before its backward).
     `split_before` defaults to an even split by layers, the embedding with
-    the first stage and the head with the last (torchtitan's default)."""
-    for name, value in (("pp", pp), ("tp", tp), ("dp", dp), ("stages_per_rank", stages_per_rank)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"mpmd.project: {name} must be a positive int, got {value!r}")
+    the first stage and the head with the last (torchtitan's default).
+    A layout whose activations alone exceed `machine.memory` on some rank
+    is projected with a warning and `fits_memory=False`."""
+    _check_arguments(shape, machine, schedule, recompute)
+    sizes = {"pp": pp, "tp": tp, "dp": dp, "stages_per_rank": stages_per_rank}
+    sizes |= {"microbatch_size": microbatch_size, "seq_len": seq_len}
+    for name, value in sizes.items():
+        _check_size(f"mpmd.project: {name}", value)
+    for field, heads in (("heads", shape.heads), ("kv_heads", shape.kv_heads)):
+        if heads % tp:
+            fit = [t for t in range(1, shape.kv_heads + 1) if shape.kv_heads % t == 0]
+            raise ValueError(
+                f"mpmd.project: tp={tp} does not divide TransformerShape.{field}={heads}: each "
+                f"tensor-parallel rank computes whole heads (query and key-value); pick tp "
+                f"among {', '.join(map(str, fit))}"
+            )
     num_stages = pp * stages_per_rank
     if num_stages > shape.layers:
         raise ValueError(
             f"mpmd.project: {num_stages} stages for {shape.layers} layers; a stage holds a layer"
         )
+    _check_schedule(schedule, shape.layers, pp, stages_per_rank)
     prof = _profile(shape, machine, tp=tp, microbatch_size=microbatch_size, seq_len=seq_len)
     split = list(split_before) if split_before is not None else _even(shape.layers, num_stages)
     link = _link(machine, tp, pp)
@@ -192,6 +234,18 @@ def project(
     fsdp = _fsdp_time(shape, machine, tp=tp, pp=pp, dp=dp)
     step = timeline.step_time + fsdp
     tokens = schedule.num_microbatches * microbatch_size * seq_len * dp
+    peak = max(timeline.peak_activation_bytes, default=0)
+    if peak > machine.memory:
+        rank = list(timeline.peak_activation_bytes).index(peak)
+        more = "" if recompute else "recompute=True, "
+        warnings.warn(
+            f"mpmd.project: the layout does not fit Machine.memory: pipeline rank {rank} holds "
+            f"{human_bytes(peak)} of activations per device at its simulated peak, over the "
+            f"machine's {human_bytes(machine.memory)} (parameters, gradients and optimizer "
+            f"states not counted); to fit, raise pp or tp, {more}or lower microbatch_size "
+            "(Projection.fits_memory is False)",
+            stacklevel=2,
+        )
     return Projection(
         schedule=schedule,
         split_before=split,
@@ -200,7 +254,63 @@ def project(
         fsdp_time=fsdp,
         tokens_per_second_per_device=tokens / step / (pp * tp * dp),
         peak_activation_bytes=list(timeline.peak_activation_bytes),
+        fits_memory=peak <= machine.memory,
         timeline=timeline,
+    )
+
+
+def _check_size(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_arguments(shape: Any, machine: Any, schedule: Any, recompute: Any) -> None:
+    if not isinstance(shape, TransformerShape):
+        raise TypeError(
+            f"mpmd.project: shape must be an mpmd.TransformerShape (e.g. "
+            f"TransformerShape.from_config(config)), got {type(shape).__name__}"
+        )
+    if not isinstance(machine, Machine):
+        raise TypeError(f"mpmd.project: machine must be an mpmd.Machine, got {machine!r}")
+    if isinstance(schedule, type) and issubclass(schedule, Schedule):
+        raise TypeError(
+            f"mpmd.project: schedule is the class {schedule.__name__}; pass an instance with "
+            f"its number of microbatches, e.g. {schedule.__name__}(8)"
+        )
+    if not isinstance(schedule, Schedule):
+        raise TypeError(
+            f"mpmd.project: schedule must be an mpmd.Schedule such as "
+            f"mpmd.schedules.OneFOneB(8), got {type(schedule).__name__}"
+        )
+    if not isinstance(recompute, bool):
+        raise TypeError(f"mpmd.project: recompute must be True or False, got {recompute!r}")
+
+
+def _lowering_error(schedule: Schedule, num_stages: int, pp: int) -> ValueError | None:
+    try:
+        Lowering(schedule, num_stages, pp).compile(num_stages)
+    except ValueError as err:
+        return err
+    return None
+
+
+def _check_schedule(schedule: Schedule, layers: int, pp: int, stages_per_rank: int) -> None:
+    """Refuses a schedule that cannot run pp x stages_per_rank stages on pp
+    ranks, naming the stages_per_rank that fits (ZBV: 2)."""
+    error = _lowering_error(schedule, pp * stages_per_rank, pp)
+    if error is None:
+        return
+    fits = [
+        k
+        for k in range(1, 5)
+        if k != stages_per_rank
+        and pp * k <= layers
+        and _lowering_error(schedule, pp * k, pp) is None
+    ]
+    advice = f"pass stages_per_rank={fits[0]}" if fits else "pass a schedule that fits"
+    raise ValueError(
+        f"mpmd.project: {schedule!r} cannot run {pp * stages_per_rank} stages on pp={pp} ranks "
+        f"(stages_per_rank={stages_per_rank}): {error}; {advice}"
     )
 
 

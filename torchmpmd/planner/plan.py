@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,6 +172,7 @@ def plan(
     check_limits(memory_limit, bandwidth, latency)
     if not isinstance(tolerance, int | float) or not 0 <= tolerance < 1:
         raise ValueError(f"mpmd.plan: tolerance must be in [0, 1), got {tolerance!r}")
+    _check_loss(loss_fn, example_target)
     classes = _classes(schedules)
     counts = _counts(num_microbatches, batch_size, num_ranks, memory_limit is not None)
 
@@ -187,6 +188,8 @@ def plan(
             example_target=example_target,
             split_backward=any(_splits_backward(cls) for cls in classes),
             selective=memory_limit is not None,
+            traceable=True,
+            caller="mpmd.plan",
         )
         rows = _rows(example_args, example_kwargs)
         found: list[tuple[Candidate, Balance | None]] = []
@@ -241,15 +244,44 @@ def plan(
     return on_rank_zero(run)
 
 
-def _classes(schedules: Sequence[type[Schedule]] | None) -> list[type[Schedule]]:
+def _check_loss(loss_fn: Any, example_target: Any) -> None:
+    """A loss that reads no target (`lambda out, _: out.loss`) needs no
+    example_target, as the runner's step needs none; one that does is told
+    so at the profile's first forward."""
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(
+            f"mpmd.plan: loss_fn must be callable as loss_fn(output, target), got "
+            f"{type(loss_fn).__name__}"
+        )
+    if loss_fn is None and example_target is not None:
+        raise ValueError(
+            "mpmd.plan: example_target is given but no loss_fn reads it; pass the "
+            "PipelineRunner's loss_fn too (e.g. loss_fn=F.cross_entropy), or leave "
+            "example_target out"
+        )
+
+
+def _classes(schedules: Any) -> list[type[Schedule]]:
     if schedules is None:
         return [getattr(builtins, name) for name in _BUILTIN_ORDER]
+    if isinstance(schedules, type | str | Schedule) or not isinstance(schedules, Iterable):
+        given = f"{schedules!r}"
+        if isinstance(schedules, type):
+            given = f"the class {schedules.__name__}; write schedules=[{schedules.__name__}]"
+        elif isinstance(schedules, Schedule):
+            given += f"; write schedules=[{type(schedules).__name__}]"
+        raise TypeError(
+            "mpmd.plan: schedules must be a list of Schedule classes (the planner chooses the "
+            f"number of microbatches), e.g. [mpmd.schedules.OneFOneB]; got {given}"
+        )
     out = []
-    for s in schedules:
+    for i, s in enumerate(schedules):
         if not (isinstance(s, type) and issubclass(s, Schedule)):
+            hint = f"; pass its class {type(s).__name__}" if isinstance(s, Schedule) else ""
             raise TypeError(
                 f"mpmd.plan: schedules must be Schedule classes (the planner chooses the number "
-                f"of microbatches), e.g. [mpmd.schedules.OneFOneB]; got {s!r}"
+                f"of microbatches), e.g. [mpmd.schedules.OneFOneB]; schedules[{i}] is "
+                f"{s!r}{hint}"
             )
         out.append(s)
     if not out:

@@ -55,8 +55,10 @@ class _Profiler:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         loss: tuple[LossFn, Any] | None,
+        caller: str = "mpmd.balance",
     ) -> None:
         self.model = model
+        self.caller = caller
         self.args = args
         self.kwargs = kwargs
         self.loss = loss
@@ -72,10 +74,19 @@ class _Profiler:
     def forward(self) -> Any:
         """The model's forward, then the loss (the last stage computes it)."""
         out = self.model(*self.args, **self.kwargs)
-        if self.loss is not None:
-            loss_fn, target = self.loss
-            out = loss_fn(out, target)
-        return out
+        if self.loss is None:
+            return out
+        loss_fn, target = self.loss
+        if target is not None:
+            return loss_fn(out, target)
+        try:  # a loss may read no target (`lambda out, _: out.loss`), as the runner allows
+            return loss_fn(out, None)
+        except Exception as err:
+            raise TypeError(
+                f"{self.caller}: loss_fn(output, target) failed with no example_target "
+                f"({type(err).__name__}: {err}); pass example_target=..., one microbatch's "
+                "target (the rows of example_args), as the runner's step gets target=..."
+            ) from err
 
     def run(self, units: Sequence[str], saved: bool) -> _Pass:
         """One forward and backward, timing the units (and what autograd saves
@@ -195,6 +206,8 @@ def profile(
     example_target: Any = None,
     split_backward: bool = False,
     selective: bool = False,
+    traceable: bool = False,
+    caller: str = "mpmd.balance",
 ) -> Profile:
     """Measures the candidate units of `model` on one microbatch.
 
@@ -213,7 +226,9 @@ def profile(
     where the model cannot be traced at every unit). With `selective`, the
     unit-stages are timed that way too, and once more under selective
     recompute (`Profile.selective`, what the planner weighs against a
-    memory limit).
+    memory limit). With `traceable`, a model `mpmd.trace` cannot trace at
+    all fails with the trace's error before the timed passes (`caller`
+    starts the messages about the loss and the trace).
     The model's parameters, gradients, buffers and random state are left as
     they were.
     """
@@ -228,7 +243,7 @@ def profile(
             "(the PipelineRunner's, e.g. loss_fn=F.cross_entropy)"
         )
     loss = (loss_fn, example_target) if loss_fn is not None else None
-    prof = _Profiler(model, args, kwargs, loss)
+    prof = _Profiler(model, args, kwargs, loss, caller)
     with torch.random.fork_rng(devices=prof.cuda_devices), _buffers_restored(model):
         recorder = Recorder(model)
         handles = recorder.hooks()
@@ -247,12 +262,15 @@ def profile(
         prof.backward(out, _Pass())
         del out
         units = candidate_units(model, recorder.calls, min_units)
+        # Traced before the timed passes, so that an untraceable model fails first.
+        traced = _traced_transfers(model, args, kwargs, units)
+        if traced is None and traceable:
+            _check_traceable(model, args, kwargs, caller)
         sizes = prof.run(units, saved=True)
         passes = [prof.run(units, saved=False) for _ in range(repeats)]
     forward, backward = _median_times(units, passes)
     activation = [sizes.saved.get(k, 0) for k in range(len(units))]
 
-    traced = _traced_transfers(model, args, kwargs, units)
     graph_times: list[tuple[float, float, float, float, int]] | None = None
     selective_times: list[tuple[float, float, float, float, int]] | None = None
     if traced is None:  # not traceable at every unit: the bytes each unit reads
@@ -340,6 +358,20 @@ def _median_times(units: Sequence[str], passes: Sequence[_Pass]) -> tuple[list[f
         for k in range(n):
             bwd[k].append(ends[k] - ends[k + 1])
     return [statistics.median(v) for v in fwd], [statistics.median(v) for v in bwd]
+
+
+def _check_traceable(
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], caller: str
+) -> None:
+    """Raises the error of `mpmd.trace` on the whole model, if it has one
+    (the trace cut at every unit can fail where the whole model traces)."""
+    try:
+        trace(model, args, kwargs)
+    except (ValueError, TypeError, RuntimeError) as err:
+        kind = next(k for k in (ValueError, TypeError, RuntimeError) if isinstance(err, k))
+        raise kind(
+            f"{caller}: the split it chooses is for mpmd.trace, which fails on this model: {err}"
+        ) from err
 
 
 def _traced_transfers(
