@@ -49,9 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
@@ -66,6 +64,7 @@ from .agree import (
     digest_extra,
     digest_groups,
 )
+from .checks import check_entries, check_runner
 from .errors import CheckpointError, describe, raise_agreed, unwrap
 from .errors import own_rank as _rank
 from .extra import extra_templates, with_extra
@@ -316,6 +315,7 @@ def save(
     `extra["per_rank"]`. `timeout`: seconds the ranks wait for each other at
     the start (default: the runner's). `checksums`: a CRC-32 of every stored
     item, checked by `load`."""
+    check_runner(runner, "save")
     with joined(runner) as world:
         target, state, seconds = _begin_save("save", path, runner, optimizer, extra, timeout)
         if world is not None:
@@ -361,6 +361,7 @@ def async_save(
     finish (at most its timeout). A runner without a process group
     (`testing.LocalPipeline`) saves before returning."""
     global _pending
+    check_runner(runner, "async_save")
     with joined(runner) as world:
         if world is not None:
             save(path, runner, optimizer, extra, timeout=timeout, checksums=checksums)
@@ -418,6 +419,7 @@ def load(
     `weights_only=True` builds nothing but DCP's metadata, tensors and plain
     data from the files; `weights_only=False` unpickles them as DCP does,
     which runs any code they name: only for files you trust."""
+    check_runner(runner, "load")
     if path is None:
         where = f" (latest({str(_found_none_in)!r}) found none)" if _found_none_in else ""
         raise FileNotFoundError(
@@ -492,52 +494,8 @@ def _prepare_load(
     own = f"{PER_RANK}.rank{_rank()}"
     state.update(extra_templates(reader, keys, source, ("extra", own)))
     local_groups = [list(g["params"]) for g in state.get("optim", {}).get("param_groups", [])]
-    _check_entries(source, state, keys)
+    check_entries(source, state, keys, optimizer)
     return reader, view, state, own, local_groups
-
-
-def _check_entries(source: Path, state: dict[str, Any], keys: Mapping[str, Any]) -> None:
-    """Raises naming the entries of `state` the checkpoint lacks or holds
-    with another shape."""
-    flat, _ = flatten_state_dict(state)
-    missing = [k for k in flat if k not in keys]
-    model = [k for k in missing if k.startswith("model.")]
-    if model:
-        raise KeyError(
-            f"checkpoint {source} has no entry for {model[:5]}"
-            f"{' ...' if len(model) > 5 else ''}: it was written for another model"
-        )
-    if missing and not any(k.startswith("optim.") for k in keys):
-        raise KeyError(
-            f"checkpoint {source} holds no optimizer state (it was saved without an "
-            "optimizer): load it with optimizer=None to start the optimizer afresh"
-        )
-    groups = [k for k in missing if k.startswith("optim.param_groups.")]
-    if groups:
-        saved = {k.split(".")[2] for k in keys if k.startswith("optim.param_groups.")}
-        local = len(state["optim"]["param_groups"])
-        raise ValueError(
-            f"checkpoint {source} has {len(saved)} optimizer parameter groups, this rank's "
-            f"optimizer {local}: build the optimizer with the same groups"
-        )
-    if missing:
-        raise KeyError(
-            f"checkpoint {source} has no optimizer state for {missing[:5]}"
-            f"{' ...' if len(missing) > 5 else ''}: it was saved with another optimizer "
-            "(or other optimizer settings); load it with optimizer=None to start afresh"
-        )
-    for k, value in flat.items():
-        meta = keys[k]
-        if (
-            isinstance(value, torch.Tensor)
-            and isinstance(meta, TensorStorageMetadata)
-            and tuple(meta.size) != tuple(value.shape)
-        ):
-            raise ValueError(
-                f"checkpoint {source}: {k!r} has shape {list(meta.size)} in the checkpoint "
-                f"and {list(value.shape)} in this rank's model: it was written for a model "
-                "of other sizes"
-            )
 
 
 def is_complete(path: str | os.PathLike[str]) -> bool:

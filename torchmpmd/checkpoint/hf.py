@@ -12,7 +12,9 @@ tensors (build the model in the dtype you want, as `from_pretrained`'s
 file holds (`tie_word_embeddings` checkpoints keep only the embedding).
 Non-persistent buffers (RoPE tables) are in no checkpoint: as
 `from_pretrained` does, the model's own `_init_weights` computes them on the
-modules that hold them.
+modules that hold them; keys `from_pretrained` ignores (older checkpoints'
+`rotary_emb.inv_freq`, hf_checks.ignored_on_load) are left out and reported.
+A damaged file or index fails naming it (`CheckpointError`).
 
 `save_hf(path, runner)` writes a directory `from_pretrained` loads: every
 tensor once under the model's first name for it (a tied weight under its
@@ -20,8 +22,11 @@ first name only, as `save_pretrained` does), written by the lowest rank of
 the first stage holding it; FSDP and tensor-parallel shards are gathered
 whole first (a collective over their mesh). One safetensors file per
 writing rank, the index, and `config.json` (and `generation_config.json`)
-from the model's config. The directory is written beside `path` and renamed
-into place once complete, so `path` is never a partial checkpoint.
+from the model's config (or `config=`, checked to describe this model; a
+model without one gets a warning). The directory is written beside `path`
+and renamed into place once complete, so `path` is never a partial
+checkpoint; a path under a file, or the working directory or above it, is
+refused before anything is written.
 
 Both are collectives: call them on every rank (with `testing.LocalPipeline`,
 on each rank's thread: `lp.on_all_ranks(lambda r: save_hf(path, r))`). A rank's error (a missing or
@@ -44,7 +49,16 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from .agree import check_in
-from .errors import describe, own_rank, raise_agreed
+from .checks import check_runner
+from .errors import CheckpointError, describe, own_rank, raise_agreed
+from .hf_checks import (
+    candidates,
+    check_config_names,
+    check_target,
+    config_to_write,
+    ignored_on_load,
+    non_persistent,
+)
 from .world import joined
 
 if TYPE_CHECKING:
@@ -60,11 +74,15 @@ INDEX_FILE = "model.safetensors.index.json"
 class HFLoadResult:
     """What `load_hf` did on this rank: the local tensors the checkpoint
     lacked and the checkpoint's tensors the model has no place for (both
-    empty unless `strict=False`), and the bytes read from the files."""
+    empty unless `strict=False`), the bytes read from the files, and the
+    checkpoint's tensors left out as `from_pretrained` leaves them (older
+    checkpoints' `rotary_emb.inv_freq`, the model's non-persistent buffers,
+    its `_keys_to_ignore_on_load_unexpected`)."""
 
     missing_keys: list[str]
     unexpected_keys: list[str]
     bytes_read: int
+    ignored_keys: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -86,27 +104,34 @@ class _Files:
     bytes_read: int = 0
     _stack: ExitStack = field(default_factory=ExitStack)
     _open: dict[Path, Any] = field(default_factory=dict)
+    _keys: dict[Path, set[str]] = field(default_factory=dict)  # each open file's tensors
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> _Files:
-        safe_open = _safetensors("load_hf").safe_open
-        directory = Path(path)
-        files = cls(directory)
-        if (directory / INDEX_FILE).is_file():
-            index = json.loads((directory / INDEX_FILE).read_text())
-            weight_map = index.get("weight_map") if isinstance(index, dict) else None
-            if not isinstance(weight_map, dict):
-                raise ValueError(f"load_hf: {directory / INDEX_FILE} has no weight_map")
-            for key, name in weight_map.items():
-                if not isinstance(name, str) or Path(name).name != name:
+        """The checkpoint in the directory `path`, or in the directory of the
+        file `path` names (its `model.safetensors`, index, or a lone
+        safetensors file)."""
+        given = Path(path)
+        directory, only = given, None
+        if given.is_file():
+            directory, only = given.parent, given.name
+            if only.endswith(".safetensors") and only != SINGLE_FILE:
+                if (directory / INDEX_FILE).is_file():
                     raise ValueError(
-                        f"load_hf: {directory / INDEX_FILE} maps {key!r} to {name!r}, which is "
-                        "not a file name in the checkpoint's directory"
+                        f"load_hf: {given} is one shard of the checkpoint in {directory} (its "
+                        f"{INDEX_FILE} lists the others): pass the directory {directory}"
                     )
-                files.where[key] = directory / name
-        elif (directory / SINGLE_FILE).is_file():
-            with safe_open(str(directory / SINGLE_FILE), framework="pt") as f:
-                files.where = dict.fromkeys(f.keys(), directory / SINGLE_FILE)
+            elif only not in (SINGLE_FILE, INDEX_FILE):
+                raise NotADirectoryError(
+                    f"load_hf: {given} is a file, not a checkpoint: pass the directory "
+                    f"save_pretrained wrote (with {SINGLE_FILE} or {INDEX_FILE})"
+                )
+        files = cls(directory)
+        if only == INDEX_FILE or (only is None and (directory / INDEX_FILE).is_file()):
+            files._read_index(directory / INDEX_FILE)
+        elif only is not None or (directory / SINGLE_FILE).is_file():
+            single = directory / (only or SINGLE_FILE)
+            files.where = dict.fromkeys(files._header(single, None).keys(), single)
         else:
             found = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else None
             what = "does not exist" if found is None else f"holds {found[:8]}"
@@ -117,15 +142,74 @@ class _Files:
             )
         return files
 
-    def _file(self, key: str) -> Any:
-        from safetensors import safe_open
+    def _read_index(self, index_file: Path) -> None:
+        try:
+            index = json.loads(index_file.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise CheckpointError(
+                f"load_hf: the index {index_file} is not valid JSON ({err}): it is damaged or "
+                "truncated; restore it (or save the checkpoint again)"
+            ) from None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(
+                f"load_hf: the index {index_file} has no weight_map (a JSON object of tensor "
+                "names to file names): restore it (or save the checkpoint again)"
+            )
+        for key, name in weight_map.items():
+            if not isinstance(name, str) or Path(name).name != name:
+                raise ValueError(
+                    f"load_hf: {index_file} maps {key!r} to {name!r}, which is "
+                    "not a file name in the checkpoint's directory"
+                )
+            self.where[key] = self.directory / name
 
+    def _header(self, path: Path, key: str | None) -> Any:
+        """The open safetensors file `path` (which holds `key`), or raises
+        naming the file where it is missing or damaged."""
+        if path in self._open:
+            return self._open[path]
+        holds = f" (which holds {key!r})" if key is not None else ""
+        if not path.is_file():
+            raise FileNotFoundError(f"load_hf: {path}{holds} is missing")
+        safe_open = _safetensors("load_hf").safe_open
+        try:
+            f = self._stack.enter_context(safe_open(str(path), framework="pt"))
+        except Exception as err:
+            raise CheckpointError(
+                f"load_hf: {path}{holds} is not a readable safetensors file ({err}): it is "
+                "truncated or damaged (an interrupted download or copy?); restore it (or save "
+                "the checkpoint again)"
+            ) from None
+        self._open[path] = f
+        return f
+
+    def _file(self, key: str) -> Any:
         path = self.where[key]
-        if path not in self._open:
-            if not path.is_file():
-                raise FileNotFoundError(f"load_hf: {path} (which holds {key!r}) is missing")
-            self._open[path] = self._stack.enter_context(safe_open(str(path), framework="pt"))
-        return self._open[path]
+        f = self._header(path, key)
+        if path not in self._keys:
+            self._keys[path] = set(f.keys())
+        if key not in self._keys[path]:
+            elsewhere = [
+                other.name
+                for other in sorted(set(self.where.values()) - {path})
+                if other.is_file() and key in self._keys_of(other)
+            ]
+            found = f": it is in {elsewhere[0]}" if elsewhere else ""
+            raise CheckpointError(
+                f"load_hf: {self.directory / INDEX_FILE} says {path.name} holds {key!r}, but "
+                f"{path} does not{found}. The index does not match the files: restore them (or "
+                "save the checkpoint again)"
+            )
+        return f
+
+    def _keys_of(self, path: Path) -> set[str]:
+        if path not in self._keys:
+            try:
+                self._keys[path] = set(self._header(path, None).keys())
+            except CheckpointError:  # damaged too: named when its own keys are read
+                return set()
+        return self._keys[path]
 
     def shape(self, key: str) -> list[int]:
         return list(self._file(key).get_slice(key).get_shape())
@@ -133,13 +217,20 @@ class _Files:
     def read(self, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         """The tensor `key`, or its part `index` (only that part is read)."""
         f = self._file(key)
-        value: torch.Tensor = f.get_tensor(key) if index is None else f.get_slice(key)[index]
+        try:
+            value: torch.Tensor = f.get_tensor(key) if index is None else f.get_slice(key)[index]
+        except Exception as err:
+            raise CheckpointError(
+                f"load_hf: cannot read {key!r} from {self.where[key]} ({err}): the file is "
+                "damaged; restore it (or save the checkpoint again)"
+            ) from None
         self.bytes_read += value.numel() * value.element_size()
         return value
 
     def close(self) -> None:
         self._stack.close()
         self._open.clear()
+        self._keys.clear()
 
 
 def _safetensors(call: str) -> Any:
@@ -167,19 +258,8 @@ def _local_tensors(runner: PipelineRunner) -> list[_Local]:
     return list(found.values())
 
 
-def _patterns(source: Any, attribute: str) -> list[re.Pattern[str]]:
-    return [re.compile(p) for p in (getattr(source, attribute, None) or [])]
-
-
-def _candidates(name: str, prefix: str) -> list[str]:
-    """The keys a checkpoint may hold `name` under: as it is, and (as
-    `from_pretrained` does) without or with the base model's prefix."""
-    out = [name]
-    if prefix and name.startswith(prefix + "."):
-        out.append(name[len(prefix) + 1 :])
-    elif prefix:
-        out.append(f"{prefix}.{name}")
-    return out
+def _ignore_missing(source: Any) -> list[re.Pattern[str]]:
+    return [re.compile(p) for p in (getattr(source, "_keys_to_ignore_on_load_missing", None) or [])]
 
 
 def _read_into(files: _Files, key: str, t: torch.Tensor) -> None:
@@ -213,22 +293,31 @@ def _match(files: _Files, local: list[_Local], prefix: str, ignore_missing: list
     missing = []
     for entry in local:
         entry.key = next(
-            (k for n in entry.names for k in _candidates(n, prefix) if k in files.where), None
+            (k for n in entry.names for k in candidates(n, prefix) if k in files.where), None
         )
         if entry.key is None and not any(p.search(n) for p in ignore_missing for n in entry.names):
             missing.append(entry.names[0])
     return missing
 
 
-def _unexpected(files: _Files, runner: PipelineRunner, prefix: str, ignore: list[Any]) -> list[str]:
-    """The checkpoint's keys that name no tensor of the model."""
+def _unexpected(files: _Files, runner: PipelineRunner, prefix: str) -> tuple[list[str], list[str]]:
+    """The checkpoint's keys that name no tensor of the model, and those
+    `from_pretrained` ignores (a non-persistent buffer of the model, a key
+    the model says to ignore: ignored_on_load)."""
+    source = runner.pipe.source
     known = set(runner.parameter_aliases())
-    return sorted(
-        k
-        for k in files.where
-        if not any(c in known for c in _candidates(k, prefix))
-        and not any(p.search(k) for p in ignore)
-    )
+    buffers = non_persistent(source)
+    ignore = ignored_on_load(source, known | buffers)
+    unexpected, ignored = [], []
+    for k in sorted(files.where):
+        names = candidates(k, prefix)
+        if any(n in buffers for n in names) or (
+            not any(n in known for n in names) and any(p.search(k) for p in ignore)
+        ):
+            ignored.append(k)
+        elif not any(n in known for n in names):
+            unexpected.append(k)
+    return unexpected, ignored
 
 
 def _check_shapes(files: _Files, local: list[_Local], rank: int) -> None:
@@ -275,7 +364,11 @@ def load_hf(
     tensors, and only its shard of a sharded (FSDP or tensor-parallel) one.
     With `strict`, a local tensor the checkpoint lacks or a checkpoint tensor
     the model has no place for is an error naming it; a wrongly shaped
-    tensor always is. Returns what was missing, unexpected and read."""
+    tensor always is. Keys `from_pretrained` ignores (older checkpoints'
+    `rotary_emb.inv_freq`) are left out, listed in the result's
+    `ignored_keys`. `path`: the directory, or its `model.safetensors`.
+    Returns what was missing, unexpected, ignored and read."""
+    check_runner(runner, "load_hf")
     with joined(runner):
         return _load_hf(path, runner, strict, timeout)
 
@@ -292,13 +385,12 @@ def _load_hf(
     local: list[_Local] = []
     missing: list[str] = []
     unexpected: list[str] = []
+    ignored: list[str] = []
     try:
         files = _Files.open(path)
         local = _local_tensors(runner)
-        missing = _match(files, local, prefix, _patterns(source, "_keys_to_ignore_on_load_missing"))
-        unexpected = _unexpected(
-            files, runner, prefix, _patterns(source, "_keys_to_ignore_on_load_unexpected")
-        )
+        missing = _match(files, local, prefix, _ignore_missing(source))
+        unexpected, ignored = _unexpected(files, runner, prefix)
         if strict and missing:
             stages = {e.names[0]: e.stage for e in local}
             listed = ", ".join(f"'{n}' (stage {stages[n]})" for n in missing[:8])
@@ -330,7 +422,7 @@ def _load_hf(
     finally:
         if files is not None:
             files.close()
-    return HFLoadResult(missing, unexpected, files.bytes_read)
+    return HFLoadResult(missing, unexpected, files.bytes_read, ignored)
 
 
 # ---- save
@@ -352,24 +444,6 @@ def _shard_names(writers: list[int]) -> dict[int, str]:
     return {r: f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i, r in enumerate(writers)}
 
 
-def _check_target(path: Path) -> None:
-    if path.is_symlink() or (path.exists() and not path.is_dir()):
-        raise FileExistsError(f"save_hf: {path} exists and is not a directory: pass a new path")
-    if path.is_dir() and any(path.iterdir()):
-        raise FileExistsError(
-            f"save_hf: {path} is not empty; save_hf writes a new directory (pass a new path, "
-            "or move what it holds yourself)"
-        )
-
-
-def _config_of(runner: PipelineRunner, config: Any) -> tuple[Any, Any]:
-    source = runner.pipe.source
-    if config is None:
-        config = getattr(source, "config", None)
-    generation = getattr(source, "generation_config", None)
-    return config, generation
-
-
 def save_hf(
     path: str | os.PathLike[str],
     runner: PipelineRunner,
@@ -380,7 +454,10 @@ def save_hf(
     """Writes this pipeline's weights as a Hugging Face checkpoint directory
     that `from_pretrained(path)` loads (collective: call on every rank).
     `config` (a `PretrainedConfig`; default: the model's own `.config`) is
-    written as `config.json`. `path` must be new or an empty directory."""
+    written as `config.json`; it must describe this model (its type and
+    sizes). `path` must be new or an empty directory, not the working
+    directory or above it."""
+    check_runner(runner, "save_hf")
     with joined(runner):
         _save_hf(path, runner, config, timeout)
 
@@ -391,23 +468,34 @@ def _save_hf(
     seconds = runner.timeout if timeout is None else timeout
     target = Path(path).resolve()
     staging = target.parent / f".{target.name}.save_hf-{uuid.uuid4().hex[:8]}"
+    source = runner.pipe.source
+    me = own_rank()
     problem: Exception | None = None
     local: list[_Local] = []
     first_stage: dict[str, int] = {}
+    shapes: dict[str, list[int]] = {}
+    cfg, check_names = None, False
     try:
-        if own_rank() == 0:
-            _check_target(target)
+        if me == 0:  # decides for every rank (the same model and arguments)
+            check_target(path, target)
+            cfg, check_names = config_to_write(config, source, path)
         local = _local_tensors(runner)
         for entry in local:
             name = entry.names[0]  # the model's first name for it
             first_stage[name] = min(first_stage.get(name, entry.stage), entry.stage)
+            shapes[name] = list(entry.tensor.shape)
     except Exception as err:
         problem = err
     entries = check_in(
         "save_hf",
         path,
         seconds,
-        {"error": describe(problem), "stages": first_stage, "staging": str(staging)},
+        {
+            "error": describe(problem),
+            "stages": first_stage,
+            "shapes": shapes,
+            "staging": str(staging),
+        },
     )
     raise_agreed([e["error"] for e in entries], problem)
     staging = Path(entries[0]["staging"])
@@ -420,14 +508,20 @@ def _save_hf(
                 best[name], writer[name] = stage, r
     writers = sorted(set(writer.values()))
     file_of = _shard_names(writers)
-    me = own_rank()
+    problem = None
+    try:
+        if me == 0:
+            if check_names:  # a config given for a model without one of its own
+                check_config_names(cfg, {n: s for e in entries for n, s in e["shapes"].items()})
+            staging.mkdir(parents=True)
+    except Exception as err:
+        problem = err
+    entries = check_in("save_hf (staged)", path, seconds, {"error": describe(problem)})
+    raise_agreed([e["error"] for e in entries], problem)
     problem = None
     written: dict[str, str] = {}
     total = 0
     try:
-        if me == 0:
-            staging.mkdir(parents=True)
-        check_in("save_hf (staged)", path, seconds, {})
         mine: dict[str, torch.Tensor] = {}
         # Every rank gathers its DTensors in the same order (their meshes'
         # collectives), writers keep what they write.
@@ -464,7 +558,7 @@ def _save_hf(
                     "weight_map": dict(sorted(weight_map.items())),
                 }
                 (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-            cfg, generation = _config_of(runner, config)
+            generation = getattr(source, "generation_config", None)
             if cfg is not None:
                 cfg.save_pretrained(str(staging))
             if generation is not None and hasattr(generation, "save_pretrained"):

@@ -326,6 +326,26 @@ def test_missing_optimizer_state() -> None:
         ckpt.load("ckpt/step-1", runner, opt)
 
 
+def test_another_optimizer_names_the_settings_that_differ() -> None:
+    # An AdamW checkpoint into SGD used to say "has 1 optimizer parameter
+    # groups, this rank's optimizer 1": the settings' keys differ, not the groups.
+    runner, opt = _trained()
+    ckpt.save("ckpt/step-1", runner, opt)
+    sgd = torch.optim.SGD(runner.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(
+        ValueError,
+        match=r"^checkpoint ckpt/step-1 was saved with another optimizer or other optimizer "
+        r"settings: its parameter group 0 has the settings amsgrad, betas, .*which this rank's "
+        r"SGD lacks, and lacks dampening, momentum, nesterov, which it has \(the settings of "
+        r"torch\.optim\.Adam or AdamW\)\. Build the optimizer .*optimizer=None",
+    ):
+        ckpt.load("ckpt/step-1", runner, sgd)
+    params = list(runner.parameters())
+    two = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}])
+    with pytest.raises(ValueError, match=r"has 1 optimizer parameter group\(s\), this rank's .* 2"):
+        ckpt.load("ckpt/step-1", runner, two)
+
+
 # ---- a manifest or metadata is not trusted to name paths
 
 
