@@ -3,13 +3,18 @@ processes: each data-parallel rank steps on its own shard of the global
 batch, and the loss, every gradient and the parameters after AdamW steps
 equal the unpipelined model's on the whole global batch (float64, 1e-10),
 for every built-in schedule family, tied weights included; the global
-gradient norm too."""
+gradient norm too. A step under torch.autocast is refused on every rank
+before any message, and a loss that fails on one replica is named on the
+other, within the timeout (it got Gloo's raw "Connection closed by peer")."""
 
 from __future__ import annotations
 
+import time
+
+import pytest
 import torch
 from harness import check_all, run_ranks, whole_tensor
-from models import CASES
+from models import CASES, square_loss
 from pipeline_check import SPLITS
 
 import torchmpmd as mpmd
@@ -193,3 +198,85 @@ def test_parallelize_must_leave_tied_weights_unsharded():
     for message in check_all(run_ranks(refuse_sharded_tied_weights, PP * DP)):
         assert "parallelize sharded stage" in message and "tied parameters" in message, message
         assert "ignored_params" in message, message
+
+
+TIMEOUT = 3.0
+
+
+def _outcome(fn) -> dict:
+    start = time.monotonic()
+    try:
+        fn()
+    except BaseException as err:
+        return {"error": f"{type(err).__name__}: {err}", "after": time.monotonic() - start}
+    return {"error": None, "after": time.monotonic() - start}
+
+
+def autocast_then_one_replica_fails(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    steps = []
+
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if steps and dist.get_rank() == 3:  # replica 1's last stage, at the second step
+            raise KeyError("bad label")
+        return square_loss(out, target)
+
+    runner = mpmd.PipelineRunner(
+        mpmd.trace(model, (torch.randn(2, 4),), split_before=["2"]),
+        mpmd.schedules.OneFOneB(2),
+        mesh=mesh,
+        loss_fn=loss,
+        options=mpmd.RunnerOptions(data_parallel="replicate", timeout=TIMEOUT),
+    )
+    x = torch.randn(4, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = _outcome(lambda: runner.step(x, target=x))
+    steps.append(_outcome(lambda: runner.step(x, target=x)))
+    steps.append(_outcome(lambda: runner.step(x, target=x)))
+    if mesh.get_local_rank("dp") == 1:
+        time.sleep(TIMEOUT + 1)  # the failed replica lives on (its loop caught the error)
+    return {"autocast": autocast, "step": steps[0], "failed": steps[1]}
+
+
+@pytest.fixture(scope="module")
+def one_replica_fails() -> list[dict]:
+    return check_all(run_ranks(autocast_then_one_replica_fails, PP * DP, deadline=120))
+
+
+@pytest.mark.slow
+def test_a_step_under_autocast_is_refused_on_every_rank_before_any_message(one_replica_fails):
+    # Before: processes ran the traced graph's ops cast to bfloat16 and
+    # failed mid-step ("produced 'tanh' with shape (2, 4) BFloat16 but the
+    # stage plan expects (2, 4) Float"), leaving the runner unusable.
+    for r, result in enumerate(one_replica_fails):
+        err = result["autocast"]["error"]
+        assert err is not None and err.startswith("RuntimeError: PipelineRunner.step (rank "), err
+        assert "called inside torch.autocast('cpu', dtype=torch.bfloat16)" in err, err
+        assert "trace inside torch.autocast instead" in err, err
+        assert result["step"]["error"] is None, (r, result)  # the runner stays usable
+
+
+@pytest.mark.slow
+def test_a_loss_that_fails_on_one_replica_is_named_on_the_other(one_replica_fails):
+    # Before: the other replica (global ranks 0 and 2) got Gloo's raw
+    # "Connection closed by peer" from the gradient all-reduce once the
+    # failed replica exited, or waited for the process group's timeout.
+    failed = one_replica_fails[3]["failed"]["error"]
+    assert failed.startswith("PipelineError[KeyError]: torchmpmd: rank 1: F(stage=1, mb=0) failed")
+    assert "bad label" in failed, failed
+    cause = "because rank 1 (global rank 3) failed in step: torchmpmd: rank 1: F(stage=1, mb=0)"
+    for r, name in ((0, "rank 0"), (2, "rank 1 (global rank 2)")):
+        result = one_replica_fails[r]["failed"]
+        err = result["error"]
+        assert err is not None and err.startswith(
+            f"PipelineError: torchmpmd: {name} stopped step"
+        ), err
+        assert cause in err and "KeyError: 'bad label'" in err, err
+        assert "Connection closed" not in err and "Timed out" not in err, err
+        assert result["after"] < TIMEOUT + 1.5, result
+    assert "because rank 1 (global rank 3) failed" in one_replica_fails[1]["failed"]["error"]

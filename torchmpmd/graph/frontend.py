@@ -128,11 +128,26 @@ def trace(
         marker_positions=[builder.position_after(node) for node in marker_after],
     )
 
+    # A new batch shape is traced under the autocast this one was (the graph
+    # records its casts): mixed precision holds for every shape.
+    autocast = _autocast_now()
+
     def trace_again(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Pipe:
-        with TRACE_LOCK:
+        with TRACE_LOCK, contextlib.ExitStack() as stack:
+            for kind, dtype in autocast:
+                stack.enter_context(torch.autocast(kind, dtype=dtype))
             return trace(model, args, kwargs, split_before=split_before, split_after=split_after)
 
     return builder.build_pipe(partition(stage_graph, spec), trace_again)
+
+
+def _autocast_now() -> list[tuple[str, torch.dtype]]:
+    """The device types torch.autocast is on for here, with their dtypes."""
+    return [
+        (kind, torch.get_autocast_dtype(kind))
+        for kind in ("cpu", "cuda", "xpu", "mps", "hpu")
+        if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
+    ]
 
 
 # --------------------------------------------------------------------------- export

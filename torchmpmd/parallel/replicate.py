@@ -91,13 +91,23 @@ class Replicate:
         self._launch(self._stage_params.get(stage, []))
 
     def finish(self) -> None:
-        """Averages the tied parameters, waits for every bucket, writes back."""
+        """Averages the tied parameters, waits for every bucket, writes back.
+        A bucket that failed (a replica failed or left) is raised once every
+        bucket's wait has ended: Gloo aborts the process when a group is
+        destroyed with a collective of its own still pending."""
         self._launch(self._tied)
-        for bucket in self._buckets:
-            if bucket.work is not None:
-                bucket.work.wait()
-            _write_back(bucket, self.size)
-        self._buckets = []
+        buckets, self._buckets = self._buckets, []
+        failed: RuntimeError | None = None
+        for bucket in buckets:
+            try:
+                if bucket.work is not None:
+                    bucket.work.wait()
+            except RuntimeError as err:
+                failed = failed or err
+            if failed is None:
+                _write_back(bucket, self.size)
+        if failed is not None:
+            raise failed
 
     def _launch(self, params: list[torch.nn.Parameter]) -> None:
         if self.size == 1:

@@ -216,6 +216,25 @@ def check_dtypes(pipe: Pipe, flat: list[Any]) -> None:
             )
 
 
+def refuse_autocast(device: torch.device, call: str, rank: int) -> None:
+    """`step` and `eval_step` run the graph `mpmd.trace` recorded, with the
+    dtypes of tracing: an autocast around the call is refused before any
+    message. (Processes would cast the graph's ops and fail mid-step on the
+    plan's dtypes, killing the runner; ranks as threads ignored it.)"""
+    for kind in dict.fromkeys(("cpu", device.type)):
+        if not (torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)):
+            continue
+        dtype = torch.get_autocast_dtype(kind)
+        raise RuntimeError(
+            f"PipelineRunner.{call} (rank {rank}): called inside torch.autocast({kind!r}, "
+            f"dtype={dtype}), which a pipeline does not apply: it runs the graph mpmd.trace "
+            "recorded, with the dtypes of tracing. For mixed precision, trace inside "
+            f"torch.autocast instead (with torch.autocast({kind!r}, dtype={dtype}): pipe = "
+            "mpmd.trace(model, ...); the graph records the casts and the parameters keep "
+            f"their dtype), and call {call} outside it"
+        )
+
+
 def clip_options(max_norm: Any, norm_type: Any) -> tuple[float, float]:
     """clip_grad_norm_'s arguments as floats, checked before any exchange."""
     for name, value in (("max_norm", max_norm), ("norm_type", norm_type)):

@@ -7,7 +7,11 @@ failure, which then ends this rank's waits at once, naming it), the call
 checks in with its neighbours (`checkin.py`: the same call, options and
 batch on every rank of the pipeline, the same call on every data-parallel
 replica), and a failure here is posted to every group this rank talks to,
-so nobody waits out its timeout for a rank that already gave up. A runner
+so nobody waits out its timeout for a rank that already gave up. The
+collectives outside the transport (data parallelism's and tensor
+parallelism's, torch.distributed's) wait at most `timeout` during a call on
+Gloo, and a raw error of theirs after a posted failure (Gloo's "Connection
+closed by peer", a timeout) is reported as that failure. A runner
 whose call failed (here or on a peer) refuses every later call
 (`refuse_if_failed`).
 """
@@ -116,7 +120,7 @@ class Collective:
         self.communicated = True
         for t, _ in self._transports():
             t.arm()
-        restore = self._bound_tp_waits()
+        restore = [self._bound_waits(g) for g in (self._tp_group, self.dp_group) if g is not None]
         try:
             was_first = not self.first_done
             self._check_in(Call(self.calls, kind, options, batch))
@@ -131,17 +135,18 @@ class Collective:
             self._failed(kind, err)
             raise
         finally:
-            restore()
+            for undo in restore:
+                undo()
             for t, _ in self._transports():
                 t.disarm()
 
-    def _bound_tp_waits(self) -> Callable[[], None]:
-        """Gives the tp group's Gloo collectives the runner's timeout for the
-        call (a mesh's groups have torch's default, 30 minutes): a tp peer
-        that failed and lives on fails a DTensor collective waiting for it
-        within `timeout`. Returns what restores the group's own timeout."""
-        group = self._tp_group
-        if group is None or self._device.type != "cpu":
+    def _bound_waits(self, group: dist.ProcessGroup) -> Callable[[], None]:
+        """Gives a tp or dp group's Gloo collectives the runner's timeout for
+        the call (a mesh's groups have torch's default, 30 minutes): a peer
+        that failed and lives on fails a DTensor collective or a gradient
+        average waiting for it within `timeout`. Returns what restores the
+        group's own timeout."""
+        if self._device.type != "cpu":
             # NCCL's timeout aborts the process: not changed here.
             return lambda: None
         try:
@@ -160,7 +165,8 @@ class Collective:
         """Posts this rank's failure in call `kind`; raises what the caller
         is to see instead of `err`, if anything (returns to re-raise `err`)."""
         reason = self.abort_reason()
-        if reason is None and isinstance(err, (TransportError, PipelineError)):
+        raw = _raw_collective_error(err)
+        if reason is None and (raw or isinstance(err, (TransportError, PipelineError))):
             # A peer may have posted its failure before this rank's watch saw
             # it (and then exited, closing its connections): its reason is
             # the cause.
@@ -178,12 +184,15 @@ class Collective:
             raise failed from err
         # First to fail, or failing because a peer did?
         self.failed_first = reason is None
-        if not isinstance(err, TransportError):
-            self._fail(f"{self.name} failed in {kind}: {first_line(err)}")
-            return
-        failed = PipelineError(self._outside_executor(kind, err, reason))
-        self._fail(f"{self.name} failed in {kind}: {failed}")
-        raise failed from err
+        if isinstance(err, TransportError) or (raw and reason is not None):
+            # A raw error of a collective outside the transport (the
+            # replicas' gradient average, the loss's mean over them) after a
+            # posted failure: that failure is the cause, named as the
+            # transport's own errors name it.
+            failed = PipelineError(self._outside_executor(kind, err, reason))
+            self._fail(f"{self.name} failed in {kind}: {failed}")
+            raise failed from err
+        self._fail(f"{self.name} failed in {kind}: {first_line(err)}")
 
     def abort_reason(self) -> str | None:
         return next((r for t, _ in self._transports() if (r := t.abort_reason) is not None), None)
@@ -193,7 +202,7 @@ class Collective:
         for t, _ in self._transports():
             t.fail(reason)
 
-    def _outside_executor(self, kind: str, err: Exception, reason: str | None) -> str:
+    def _outside_executor(self, kind: str, err: BaseException, reason: str | None) -> str:
         """A failed exchange outside the executor (the check-in, results
         shared at the end of a step, a collective), with this rank's context,
         as the executor gives."""
@@ -302,6 +311,19 @@ def _mesh_transport(
     _mesh_transports_made[name] = n + 1
     key = f"torchmpmd/failed/mesh-{name}/{n}"
     return C10dTransport(group, store=store, key=key), FailureBoard(store, key)
+
+
+# Gloo's errors: "[.../pair.cc:553] Connection closed by peer ...".
+_GLOO_ERROR = re.compile(r"\[[^\]]*\.(?:cc|cpp|h):\d+\] ")
+
+
+def _raw_collective_error(err: BaseException) -> bool:
+    """Whether `err` is a torch.distributed collective's own (Gloo raises a
+    plain RuntimeError: "Connection closed by peer", "Timed out waiting"),
+    not one of torchmpmd's or a stage's."""
+    return isinstance(err, dist.DistError) or (
+        type(err) is RuntimeError and _GLOO_ERROR.match(str(err)) is not None
+    )
 
 
 def _same_kind(err: BaseException, message: str) -> PipelineError:

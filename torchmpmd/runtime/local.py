@@ -17,6 +17,7 @@ draws).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -144,15 +145,20 @@ class LocalPipeline:
         # threads too, as a process's profiler records its rank: one trace,
         # a thread per rank, each with its tasks' ranges and their ops.
         profiler = _C.runtime.ProfilerContext.current()
+        # The caller's torch.autocast, which thread-local state leaves
+        # behind: a rank's thread runs under it, as a process's runner would
+        # (and step / eval_step refuse it, naming it).
+        autocast = self._caller_autocast()
 
         def run(rank: int) -> None:
             runner = self.runners[rank]
             runner.communicated = False  # this call's, not an earlier one's
             try:
-                if profiler.active:
-                    results[rank] = profiler.run(lambda: fn(runner))
-                else:
-                    results[rank] = fn(runner)
+                with autocast():
+                    if profiler.active:
+                        results[rank] = profiler.run(lambda: fn(runner))
+                    else:
+                        results[rank] = fn(runner)
             except BaseException as err:  # reported below, per rank
                 if runner.communicated:
                     # Gone for its peers, as a crashed process is.
@@ -201,3 +207,20 @@ class LocalPipeline:
             raise first
         self._rng.end_call()
         return results
+
+    def _caller_autocast(self) -> Callable[[], contextlib.ExitStack[bool | None]]:
+        """Enters, in a rank's thread, the autocast the calling thread is under."""
+        kinds = dict.fromkeys(["cpu", *(r.device.type for r in self.runners)])
+        on = [
+            (kind, torch.get_autocast_dtype(kind))
+            for kind in kinds
+            if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
+        ]
+
+        def enter() -> contextlib.ExitStack[bool | None]:
+            stack = contextlib.ExitStack()
+            for kind, dtype in on:
+                stack.enter_context(torch.autocast(kind, dtype=dtype))
+            return stack
+
+        return enter

@@ -24,6 +24,7 @@ from .checks import (
     check_schedule,
     data_parallel_mode,
     recompute_policy,
+    refuse_autocast,
     require_pipe,
     tensor_parallelism,
 )
@@ -164,6 +165,7 @@ class PipelineRunner:
         """The call's microbatches, checked here before any message (a refused
         call leaves the runner usable)."""
         self._collective.refuse_if_failed()
+        refuse_autocast(self.device, call, self.rank)
         self._first.stages.allocation.check(self._first.stages.modules, self.rank)
         return self._batches.split(args, kwargs, target, call)
 

@@ -50,6 +50,18 @@ class CpuTuning:
 def tune_cpu(*, keep_freed_memory: bool = True, gloo_sched_batch: bool = True) -> CpuTuning:
     """Sets this process's CPU policies for pipelines over Gloo (see the
     module docstring); returns what it did. Call it once, at start-up."""
+    # Checked before anything changes: a truthy "no" would fix malloc's
+    # thresholds for the life of the process.
+    for name, value in (
+        ("keep_freed_memory", keep_freed_memory),
+        ("gloo_sched_batch", gloo_sched_batch),
+    ):
+        if not isinstance(value, bool):
+            raise TypeError(
+                f"mpmd.tune_cpu: {name} must be True or False, got {value!r} "
+                f"({type(value).__name__}); nothing was changed. Pass {name}=False to leave "
+                "that policy alone"
+            )
     if not keep_freed_memory:
         malloc = "left alone (keep_freed_memory=False)"
     elif heap.keep_freed_memory():

@@ -405,3 +405,48 @@ def test_a_rank_that_skipped_a_step_fails_every_rank_naming_both_calls():
         r"|rank 1 is at call 3 \(step\) but rank 0 at call 2 \(step\)",
     ):
         local.step(x, target=y)
+
+
+def test_tune_cpu_refuses_a_policy_that_is_not_a_bool_before_changing_anything(monkeypatch):
+    # "no" is truthy: it used to fix malloc's thresholds for the life of the process.
+    import torchmpmd.runtime.tune as tune
+
+    changed: list[str] = []
+    monkeypatch.setattr(tune.heap, "keep_freed_memory", lambda: changed.append("malloc") or True)
+    monkeypatch.setattr(tune, "BatchHold", lambda: changed.append("gloo threads"))
+    for name, value, shown in (
+        ("keep_freed_memory", "no", "'no' \\(str\\)"),
+        ("gloo_sched_batch", 0, "0 \\(int\\)"),
+    ):
+        with pytest.raises(
+            TypeError,
+            match=f"^mpmd\\.tune_cpu: {name} must be True or False, got {shown}; nothing was "
+            f"changed. Pass {name}=False to leave that policy alone$",
+        ):
+            mpmd.tune_cpu(**{name: value})
+    assert changed == []
+
+
+def test_a_step_inside_autocast_is_refused_before_any_message():
+    # Ranks as threads ignored the caller's autocast (thread-local state) and
+    # trained in float32; processes cast the traced graph's ops and failed
+    # mid-step on the plan's dtypes. Mixed precision is traced in.
+    local = _local()
+    calls = [
+        ("step", lambda: local.step(x, target=y)),
+        ("eval_step", lambda: local.eval_step(x)),
+        ("step", lambda: local.on_all_ranks(lambda r: r.step(x, target=y))),
+    ]
+    for call, run in calls:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            clear_error(
+                run,
+                RuntimeError,
+                f"^PipelineRunner\\.{call} \\(rank \\d\\): called inside torch\\.autocast\\('cpu', "
+                "dtype=torch\\.bfloat16\\), which a pipeline does not apply: it runs the graph "
+                "mpmd\\.trace recorded.*trace inside torch\\.autocast instead.*call "
+                f"{call} outside it",
+            )
+    # Refused on every rank before any message: the pipeline stays usable.
+    assert torch.isfinite(local.step(x, target=y)[0].loss)
+    assert local.eval_step(x)[0].dtype == torch.float32

@@ -93,3 +93,21 @@ def test_batch_smaller_than_the_number_of_microbatches():
     x, y = _batch(3, 16)
     with pytest.raises(ValueError, match="must split into 4 microbatches of at least one row"):
         local.runners[0].step(x, target=y)
+
+
+def test_a_pipe_traced_under_autocast_traces_new_shapes_under_it_too():
+    # Mixed precision by tracing inside torch.autocast held only for the
+    # traced shape: a new batch size was traced again in float32.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        pipe = mpmd.trace(model, (torch.randn(2, 8),), split_before=["2"])
+    local = LocalPipeline(pipe, mpmd.schedules.GPipe(2), 2, loss_fn=lambda o, t: o.sum())
+    for rows in (4, 6):  # the traced microbatch shape, then a new one
+        x = torch.randn(rows, 8)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = model(x)
+        out = local.eval_step(x)[0]
+        assert out.dtype == torch.bfloat16, (rows, out.dtype)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert local.runners[0].num_traces == 1
