@@ -48,8 +48,6 @@ SCHEDULES = {
     "zbv": mpmd.schedules.ZBV,
     "dualpipev": mpmd.schedules.DualPipeV,
 }
-# Schedules that place two stages on every rank.
-TWO_STAGES_PER_RANK = {"interleaved1f1b", "zbv", "dualpipev"}
 
 
 def parse_args() -> argparse.Namespace:
@@ -57,7 +55,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=250)
     p.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
     p.add_argument(
-        "--stages-per-rank", type=int, default=None, help="default: 2 for V and interleaved, else 1"
+        "--stages-per-rank",
+        type=int,
+        default=None,
+        help="default: the schedule's own (2 for V and interleaved, else 1)",
     )
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (world = pp x dp)")
     p.add_argument(
@@ -220,7 +221,7 @@ def main() -> None:
             model = GPT(cfg)
     else:
         model = GPT(cfg)
-    per_rank = args.stages_per_rank or (2 if args.schedule in TWO_STAGES_PER_RANK else 1)
+    per_rank = args.stages_per_rank or SCHEDULES[args.schedule].stages_per_rank
     num_stages = pp_size * per_rank
     example = torch.zeros(args.microbatch_size, args.seq_len, dtype=torch.long)
     pipe = mpmd.trace(model, (example,), split_before=split_points(cfg, num_stages))

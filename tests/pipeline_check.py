@@ -16,11 +16,10 @@ import torchmpmd as mpmd
 SPLITS = {"gpt": split_gpt, "deep_unet": split_deep_unet}
 S = mpmd.schedules
 ALL = [S.GPipe, S.OneFOneB, S.Eager1F1B, S.Interleaved1F1B, S.ZeroBubbleH1, S.ZBV, S.DualPipeV]
-TWO_STAGES_PER_RANK = {S.Interleaved1F1B, S.ZBV, S.DualPipeV}
 
 
-def stages_for(cls: type, ranks: int) -> int:
-    return 2 * ranks if cls in TWO_STAGES_PER_RANK else ranks
+def stages_for(cls: type[mpmd.Schedule], ranks: int) -> int:
+    return cls.stages_per_rank * ranks
 
 
 def microbatches_for(cls: type, ranks: int) -> int:

@@ -192,7 +192,7 @@ def project(
     dp: int = 1,
     microbatch_size: int,
     seq_len: int,
-    stages_per_rank: int = 1,
+    stages_per_rank: int | None = None,
     recompute: bool = False,
     split_before: Sequence[str] | None = None,
 ) -> Projection:
@@ -204,8 +204,11 @@ def project(
     `split_before` defaults to an even split by layers, the embedding with
     the first stage and the head with the last (torchtitan's default).
     A layout whose activations alone exceed `machine.memory` on some rank
-    is projected with a warning and `fits_memory=False`."""
+    is projected with a warning and `fits_memory=False`. `stages_per_rank`
+    defaults to the schedule's own (`Schedule.stages_per_rank`)."""
     _check_arguments(shape, machine, schedule, recompute)
+    if stages_per_rank is None:
+        stages_per_rank = schedule.stages_per_rank
     sizes = {"pp": pp, "tp": tp, "dp": dp, "stages_per_rank": stages_per_rank}
     sizes |= {"microbatch_size": microbatch_size, "seq_len": seq_len}
     for name, value in sizes.items():

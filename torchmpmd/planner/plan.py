@@ -47,11 +47,6 @@ from .splits import check_limits, search, splits_backward
 
 __all__ = ["Candidate", "Plan", "plan"]
 
-# Schedules that need two stages per rank (V-shaped), and those that may
-# take two (looped).
-_TWO_PER_RANK = {"ZBV", "DualPipeV"}
-_LOOPED = {"Interleaved1F1B"}
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Candidate:
@@ -309,11 +304,15 @@ def _splits_backward(cls: type[Schedule]) -> bool:
 
 
 def _stage_counts(cls: type[Schedule], num_ranks: int) -> list[int]:
-    if cls.__name__ in _TWO_PER_RANK:
-        return [2 * num_ranks]
-    if cls.__name__ in _LOOPED:
-        return [2 * num_ranks]
-    return [num_ranks]
+    """The stage counts `cls` is weighed with: its own stages per rank."""
+    per_rank = cls.stages_per_rank
+    if not isinstance(per_rank, int) or isinstance(per_rank, bool) or per_rank < 1:
+        raise TypeError(
+            f"mpmd.plan: {cls.__name__}.stages_per_rank is {per_rank!r}; a schedule says how "
+            "many stages it places on each rank as a positive int (1, or 2 for a V-shaped or "
+            "interleaved schedule)"
+        )
+    return [per_rank * num_ranks]
 
 
 def _counts(

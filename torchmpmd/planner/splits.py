@@ -219,8 +219,8 @@ def check_num_stages(num_stages: Any) -> int:
 
 def resolve_schedule(schedule: Any, num_stages: int, num_ranks: Any) -> tuple[Schedule, Lowering]:
     """The schedule (default 1F1B over 2 x num_stages microbatches) and number of
-    ranks (default num_stages, or num_stages / 2 for a schedule that needs two
-    stages per rank), checked by lowering it once for a chain of stages."""
+    ranks (default num_stages over the schedule's own stages per rank),
+    checked by lowering it once for a chain of stages."""
     if schedule is None:
         schedule = OneFOneB(2 * num_stages)
     elif isinstance(schedule, type) and issubclass(schedule, Schedule):
@@ -237,9 +237,13 @@ def resolve_schedule(schedule: Any, num_stages: int, num_ranks: Any) -> tuple[Sc
         not isinstance(num_ranks, int) or isinstance(num_ranks, bool) or num_ranks < 1
     ):
         raise ValueError(f"mpmd.balance: num_ranks must be a positive int, got {num_ranks!r}")
-    tries = [num_ranks] if num_ranks is not None else [num_stages]
-    if num_ranks is None and num_stages % 2 == 0:
-        tries.append(num_stages // 2)
+    per_rank = schedule.stages_per_rank
+    if num_ranks is not None:
+        tries = [num_ranks]
+    elif num_stages % per_rank == 0:
+        tries = [num_stages // per_rank]
+    else:
+        tries = [num_stages]
     errors: list[ValueError] = []
     for ranks in tries:
         try:

@@ -118,6 +118,8 @@ class Interleaved1F1B(OneFOneB):
     The bubble shrinks by v; the number of microbatches must be a multiple of
     the number of ranks."""
 
+    stages_per_rank = 2
+
     def tasks(self, num_stages: int, num_ranks: int, num_microbatches: int) -> list[list[Task]]:
         if num_stages < 2 * num_ranks:
             raise ValueError(
@@ -173,6 +175,8 @@ class ZBV(Schedule):
     filling the bubbles. Near zero bubble when F, I and W cost the same, with
     1F1B's peak activation memory."""
 
+    stages_per_rank = 2
+
     def placement(self, num_stages: int, num_ranks: int) -> list[int]:
         return _v_placement(num_stages, num_ranks, "ZBV")
 
@@ -219,6 +223,8 @@ class DualPipeV(Schedule):
     V; in the steady state each rank pairs the forward of one stage with the
     backward of the other, and the tail switches to split backward (I, then W
     to fill the bubbles). Needs at least as many microbatches as stages."""
+
+    stages_per_rank = 2
 
     def placement(self, num_stages: int, num_ranks: int) -> list[int]:
         return _v_placement(num_stages, num_ranks, "DualPipeV")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import csv
 import io
 import numbers
@@ -65,6 +66,12 @@ class Schedule:
     dealt round-robin): the schedule is just data, checked by
     `compile_schedule` before anything runs.
     """
+
+    # How many stages the schedule places on each rank: 1, or 2 for the V
+    # schedules (ZBV, DualPipeV) and the interleaved ones. The planner weighs
+    # it with `num_ranks * stages_per_rank` stages and `mpmd.project` takes
+    # it by default; a schedule of your own says its own.
+    stages_per_rank: int = 1
 
     def __init__(self, num_microbatches: int) -> None:
         if not isinstance(num_microbatches, int) or num_microbatches < 1:
@@ -162,6 +169,7 @@ class _Rewritten(Schedule):
         super().__init__(base.num_microbatches)
         self._base = base
         self._stages = stages
+        self.stages_per_rank = base.stages_per_rank
 
     def placement(self, num_stages: int, num_ranks: int) -> list[int]:
         return self._base.placement(num_stages, num_ranks)
@@ -191,6 +199,8 @@ class _ListSchedule(Schedule):
         super().__init__(num_microbatches)
         self._lists = lists
         self._placement = placement
+        held = collections.Counter(placement).values()
+        self.stages_per_rank = max(held, default=1)
 
     def placement(self, num_stages: int, num_ranks: int) -> list[int]:
         return list(self._placement)

@@ -134,9 +134,11 @@ def test_the_shapes_fields_are_checked():
 
 
 def test_a_v_schedule_is_told_to_take_two_stages_per_rank():
+    # By default project takes the schedule's own (ZBV.stages_per_rank: 2).
     with pytest.raises(ValueError, match=r"needs 4 stages, got 2; pass stages_per_rank=2$"):
-        _project(schedule=mpmd.schedules.ZBV(4))
+        _project(schedule=mpmd.schedules.ZBV(4), stages_per_rank=1)
     assert _project(schedule=mpmd.schedules.ZBV(4), stages_per_rank=2).step_time > 0
+    assert _project(schedule=mpmd.schedules.ZBV(4)).step_time > 0
 
 
 def test_a_layout_over_the_machines_memory_warns_and_says_so():

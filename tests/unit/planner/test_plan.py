@@ -187,3 +187,35 @@ def test_within_tolerance_the_simplest_candidate_is_the_plan():
     assert any("within tolerance" in c.rejected for c in close)
     with pytest.raises(ValueError, match="tolerance must be in"):
         _plan(batch_size=16, tolerance=1.5)
+
+
+class _VGPipe(mpmd.Schedule):
+    """A user's own V-shaped schedule (stage s on rank s, then back up, as
+    ZBV places them), GPipe's order on each rank; it says its own shape."""
+
+    stages_per_rank = 2
+
+    def placement(self, num_stages: int, num_ranks: int) -> list[int]:
+        return [s if s < num_ranks else 2 * num_ranks - 1 - s for s in range(num_stages)]
+
+    def tasks(self, num_stages: int, num_ranks: int, num_microbatches: int):
+        out = []
+        for r in range(num_ranks):
+            down, up = r, 2 * num_ranks - 1 - r
+            ms = range(num_microbatches)
+            out.append(
+                [mpmd.Task("F", down, m) for m in ms]
+                + [mpmd.Task("F", up, m) for m in ms]
+                + [mpmd.Task("B", up, m) for m in ms]
+                + [mpmd.Task("B", down, m) for m in ms]
+            )
+        return out
+
+
+def test_a_users_v_shaped_schedule_is_weighed_with_its_own_stages_per_rank():
+    # The planner knew ZBV and DualPipeV by name: a V of the user's own was
+    # weighed with one stage per rank, which its placement cannot take.
+    found = _plan(batch_size=16, schedules=[_VGPipe])
+    assert isinstance(found.schedule, _VGPipe)
+    assert found.num_stages == 4 and len(found.split_before) == 3
+    runs_as_planned(found)
