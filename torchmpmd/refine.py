@@ -36,9 +36,8 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store
 
 from .planner import trace
-from .planner.plan import Candidate, Plan, _simplicity
+from .planner.plan import Candidate, Plan, _simplicity, batch_rows
 from .planner.profiler import _buffers_restored
-from .planner.splits import splits_backward
 from .runtime import PipelineRunner, RunnerOptions
 
 __all__ = ["refine"]
@@ -217,13 +216,13 @@ def _as_candidate(plan: Plan) -> Candidate:
 
 
 def _rows(batch_args: tuple[Any, ...]) -> int:
-    for a in batch_args:
-        if isinstance(a, torch.Tensor) and a.dim() > 0:
-            return int(a.shape[0])
-    raise ValueError(
-        "mpmd.refine: batch_args must hold the global batch as tensors (rows in dim 0), as "
-        "runner.step takes it"
-    )
+    rows = batch_rows(batch_args)
+    if rows == 0:
+        raise ValueError(
+            "mpmd.refine: batch_args must hold the global batch as tensors (rows in dim 0), as "
+            "runner.step takes it"
+        )
+    return rows
 
 
 def _candidates(plan: Plan, slack: float, rows: int) -> list[Candidate]:
@@ -254,7 +253,7 @@ def _candidates(plan: Plan, slack: float, rows: int) -> list[Candidate]:
 def _family(c: Candidate, num_ranks: int) -> tuple[int, bool]:
     """Stage count, and whether the schedule splits its backward."""
     assert c.schedule is not None
-    return c.num_stages, splits_backward(c.schedule, c.num_stages, num_ranks)
+    return c.num_stages, c.schedule.splits_backward(c.num_stages, num_ranks)
 
 
 def _runner(

@@ -14,7 +14,7 @@ from ..graph.pipe import Pipe
 from ..schedule.task import Schedule
 from .profiler import LossFn, profile
 from .results import Balance
-from .splits import check_limits, check_num_stages, resolve_schedule, search, splits_backward
+from .splits import check_limits, check_num_stages, resolve_schedule, search
 
 __all__ = ["balance", "on_rank_zero", "trace"]
 
@@ -58,7 +58,7 @@ def balance(
     resolved, lowering = resolve_schedule(schedule, num_stages, num_ranks)  # fail first
     check_limits(memory_limit, bandwidth, latency)
     # A schedule with a split backward gets I and W timed apart from B.
-    split = splits_backward(resolved, num_stages, lowering.num_ranks)
+    split = resolved.splits_backward(num_stages, lowering.num_ranks)
 
     def run() -> Balance:
         prof = profile(

@@ -43,7 +43,7 @@ from ..schedule.task import Schedule
 from .balancer import on_rank_zero
 from .profiler import LossFn, profile
 from .results import Balance, Profile, _seconds
-from .splits import check_limits, search, splits_backward
+from .splits import check_limits, search
 
 __all__ = ["Candidate", "Plan", "plan"]
 
@@ -181,12 +181,12 @@ def plan(
             repeats=repeats,
             loss_fn=loss_fn,
             example_target=example_target,
-            split_backward=any(_splits_backward(cls) for cls in classes),
+            split_backward=any(_may_split_backward(cls) for cls in classes),
             selective=memory_limit is not None,
             traceable=True,
             caller="mpmd.plan",
         )
-        rows = _rows(example_args, example_kwargs)
+        rows = batch_rows(example_args, example_kwargs)
         found: list[tuple[Candidate, Balance | None]] = []
         for cls in classes:
             for stages in _stage_counts(cls, num_ranks):
@@ -295,10 +295,11 @@ _BUILTIN_ORDER = (
 )
 
 
-def _splits_backward(cls: type[Schedule]) -> bool:
-    """Whether `cls` runs I and W tasks (on 2 ranks, 4 microbatches)."""
+def _may_split_backward(cls: type[Schedule]) -> bool:
+    """Whether a schedule of class `cls` runs I and W tasks (on 2 ranks, 4
+    microbatches; True where that cannot tell)."""
     try:
-        return splits_backward(cls(4), _stage_counts(cls, 2)[0], 2)
+        return cls(4).splits_backward(_stage_counts(cls, 2)[0], 2)
     except (TypeError, ValueError):
         return True  # cannot tell: measure
 
@@ -345,8 +346,8 @@ def _counts(
     return counts
 
 
-def _rows(args: Any, kwargs: dict[str, Any] | None) -> int:
-    """Rows (dim 0) of the example microbatch's first tensor (0: unknown)."""
+def batch_rows(args: Any, kwargs: dict[str, Any] | None = None) -> int:
+    """Rows (dim 0) of the first tensor of a batch's arguments (0: none)."""
     leaves = [*(args if isinstance(args, tuple) else (args,)), *(kwargs or {}).values()]
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
@@ -481,7 +482,7 @@ def _failed(
 
 def _simplicity(c: Candidate) -> tuple[int, bool, int, int, float]:
     assert c.schedule is not None
-    split = _splits_backward(type(c.schedule))
+    split = _may_split_backward(type(c.schedule))
     return (
         c.num_stages,
         split,

@@ -260,12 +260,6 @@ def resolve_schedule(schedule: Any, num_stages: int, num_ranks: Any) -> tuple[Sc
     ) from errors[0]
 
 
-def splits_backward(schedule: Schedule, num_stages: int, num_ranks: int) -> bool:
-    """Whether `schedule` runs I and W tasks on that many stages and ranks."""
-    tasks = schedule.tasks(num_stages, num_ranks, schedule.num_microbatches)
-    return any(t.kind in ("I", "W") for rank in tasks for t in rank)
-
-
 def check_limits(memory_limit: Any, bandwidth: Any, latency: Any) -> None:
     if memory_limit is not None and (
         not isinstance(memory_limit, (int, float))

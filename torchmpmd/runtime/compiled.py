@@ -29,7 +29,7 @@ from ..graph.split import data_dependent
 from ..graph.stage import as_stage
 from ..parallel.tensor import TensorParallel
 from ..parallel.tensor_random import with_random_ops
-from ..schedule.kinds import recomputes, splits_backward
+from ..schedule.kinds import part_of_backward, recomputes
 from ..schedule.program import Edge, Program, StageCollectives, StageGraph, compile_schedule
 from ..schedule.task import Schedule
 from ..schedule.timeline import Timeline, from_records
@@ -254,7 +254,7 @@ class CompiledPipe:
             t.stage
             for r in range(self.program.num_ranks)
             for t in self.program.tasks(r)
-            if splits_backward(t.kind)
+            if part_of_backward(t.kind)
         }
         found = {}
         for s in sorted(with_iw):
@@ -265,7 +265,7 @@ class CompiledPipe:
         return found
 
     def _choose_split(self, split_backward: bool | str) -> set[int]:
-        with_iw = {t.stage for t in self.program.tasks(self.rank) if splits_backward(t.kind)}
+        with_iw = {t.stage for t in self.program.tasks(self.rank) if part_of_backward(t.kind)}
         if split_backward == "auto":
             return with_iw
         if split_backward is True:

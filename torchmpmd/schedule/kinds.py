@@ -12,8 +12,8 @@ __all__ = [
     "RECOMPUTE",
     "TABLE",
     "WHOLE_BACKWARD",
+    "part_of_backward",
     "recomputes",
-    "splits_backward",
     "waits_for_recompute",
 ]
 
@@ -33,7 +33,7 @@ def recomputes(kind: str) -> bool:
     return TABLE[kind].recomputes
 
 
-def splits_backward(kind: str) -> bool:
+def part_of_backward(kind: str) -> bool:
     """Whether `kind` computes part of a backward only (I, W): its stage must
     be split into input- and weight-gradient graphs."""
     return 0 < TABLE[kind].backward_parts < WHOLE_BACKWARD

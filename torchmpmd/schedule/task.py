@@ -117,6 +117,12 @@ class Schedule:
             writer.writerow([str(t) for t in rank])
         return out.getvalue()
 
+    def splits_backward(self, num_stages: int, num_ranks: int) -> bool:
+        """Whether the schedule runs input- and weight-gradient tasks (I, W)
+        on that many stages and ranks (its stages then split their backward)."""
+        tasks = self.tasks(num_stages, num_ranks, self.num_microbatches)
+        return any(kinds.part_of_backward(t.kind) for rank in tasks for t in rank)
+
     def with_recompute(self, stages: Iterable[int] | None = None) -> Schedule:
         """This schedule with a recompute (R) right before each backward (B or I)
         of `stages` (default: every stage).
@@ -182,7 +188,7 @@ class _FullBackward(_Rewritten):
         for rank in self._base.tasks(num_stages, num_ranks, num_microbatches):
             row = []
             for t in rank:
-                if t.stage in chosen and kinds.splits_backward(t.kind):
+                if t.stage in chosen and kinds.part_of_backward(t.kind):
                     if kinds.TABLE[t.kind].backward_parts != kinds.INPUT_PART:
                         continue  # W: B computed the weight gradients already
                     t = Task(kinds.BACKWARD, t.stage, t.microbatch)
