@@ -4,6 +4,7 @@ Install with `pip install --no-build-isolation -e .` so that pip uses the torch
 already in the environment instead of fetching one into a build sandbox.
 """
 
+import os
 from pathlib import Path
 
 from setuptools import find_packages, setup
@@ -25,7 +26,14 @@ setup(
             "torchmpmd._C",
             _sources(),
             include_dirs=[str(ROOT / "csrc")],
-            extra_compile_args=["-O2", "-Wall", "-Wno-unused-parameter"],
+            # TORCHMPMD_BUILD_FLAGS: flags after ours (the CUDA compile check,
+            # whose build never runs, builds with "-O0 -g0").
+            extra_compile_args=[
+                "-O2",
+                "-Wall",
+                "-Wno-unused-parameter",
+                *os.environ.get("TORCHMPMD_BUILD_FLAGS", "").split(),
+            ],
         )
     ],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

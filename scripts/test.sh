@@ -66,5 +66,6 @@ echo "== Python tests"
 if [ "$fast" = 1 ]; then
   python -m pytest tests -m "not slow and not multiprocess" "$@"
 else
-  python -m pytest tests "$@"
+  # The ten slowest at the end of every full run, so that growth shows.
+  python -m pytest tests --durations=10 "$@"
 fi
