@@ -8,8 +8,9 @@ out = runner.step(batch, target=labels)      # on every rank, under torchrun
 The subpackages mirror the native layers: `graph` (tracing, the stage plan,
 `Pipe`), `schedule` (tasks, schedules, programs, costs, timelines) and
 `runtime` (the runner, transports, the in-process harness); above them,
-`planner` (`balance`: where to cut a model), `parallel` (data parallelism
-around the schedule) and `checkpoint`.
+`planner` (`balance`, `plan`, `project`: where to cut a model, the whole
+plan, a cluster's step), `parallel` (what happens to a stage inside and around
+the schedule: data and tensor parallelism) and `checkpoint`.
 """
 
 import torch  # noqa: F401  (loads libtorch before the native core)
