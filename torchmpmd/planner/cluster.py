@@ -38,7 +38,7 @@ from typing import Any
 
 from ..graph.format import human_bytes
 from ..schedule.program import Lowering
-from ..schedule.task import Schedule
+from ..schedule.task import Schedule, require_schedule
 from ..schedule.timeline import Timeline
 from .results import Profile, UnitTransfer
 from .splits import simulate
@@ -275,16 +275,7 @@ def _check_arguments(shape: Any, machine: Any, schedule: Any, recompute: Any) ->
         )
     if not isinstance(machine, Machine):
         raise TypeError(f"mpmd.project: machine must be an mpmd.Machine, got {machine!r}")
-    if isinstance(schedule, type) and issubclass(schedule, Schedule):
-        raise TypeError(
-            f"mpmd.project: schedule is the class {schedule.__name__}; pass an instance with "
-            f"its number of microbatches, e.g. {schedule.__name__}(8)"
-        )
-    if not isinstance(schedule, Schedule):
-        raise TypeError(
-            f"mpmd.project: schedule must be an mpmd.Schedule such as "
-            f"mpmd.schedules.OneFOneB(8), got {type(schedule).__name__}"
-        )
+    require_schedule(schedule, "mpmd.project")
     if not isinstance(recompute, bool):
         raise TypeError(f"mpmd.project: recompute must be True or False, got {recompute!r}")
 
