@@ -56,6 +56,15 @@ def refine_on_each_rank(rank: int, world: int) -> dict:
         for c in refined.alternatives
         if c.measured_step_time is not None
     ]
+    # A candidate's family: its stage count and whether it splits the backward
+    # (asked of the schedule, not read from its name).
+    families = sorted(
+        {
+            (c.num_stages, c.schedule.splits_backward(c.num_stages, world))
+            for c in refined.alternatives
+            if c.measured_step_time is not None and c.schedule is not None
+        }
+    )
     # The runner takes the refined plan as it is; its step equals the model's.
     model.layers[0][0].weight.grad = None
     reference = _Net().double()
@@ -83,6 +92,11 @@ def refine_on_each_rank(rank: int, world: int) -> dict:
         "plan": (repr(refined.schedule), refined.split_before, refined.recompute),
         "measured_plan": refined.measured_step_time,
         "measured": measured,
+        "families": families,
+        "plan_family": (
+            len(refined.split_before) + 1,
+            refined.schedule.splits_backward(len(refined.split_before) + 1, world),
+        ),
         "first": (repr(found.schedule), found.split_before),
         "kept_balance": refined.balance is not None,
         "unchanged": unchanged,
@@ -100,8 +114,8 @@ def test_refine_measures_the_close_candidates_and_every_rank_gets_the_same_plan(
     assert r0["measured_plan"] > 0 and r0["measured"], r0
     # One candidate per family (stage count, split backward): with slack=10
     # all four families on 2 ranks.
-    families = {(s, "ZB" in n or "DualPipe" in n) for n, s, _, _ in r0["measured"]}
-    assert len(r0["measured"]) == 3 and len(families) == 3, r0["measured"]
+    assert len(r0["measured"]) == 3 and len(r0["families"]) == 3, (r0["measured"], r0["families"])
+    assert tuple(r0["plan_family"]) not in {tuple(f) for f in r0["families"]}, r0
     # The choice follows the medians: none measured faster beyond tolerance.
     for _, _, t, why in r0["measured"]:
         assert why.startswith("measured")
