@@ -44,14 +44,30 @@ def _shard_everything(stage: torch.nn.Module, dp_mesh) -> None:
     fully_shard(stage, mesh=dp_mesh)
 
 
+# Meshes named torchtitan's way: (shape, dimension names, how many ranks
+# share one shard). The runner finds the data parallelism by the names.
+TORCHTITAN_MESHES = {
+    "dp_shard": ((PP, DP), ("pp", "dp_shard"), DP),
+    "dp_replicate": ((PP, DP), ("pp", "dp_replicate"), 1),
+    # FSDP's hybrid sharding: sharded over dp_shard, replicated over
+    # dp_replicate, on one pipeline rank holding both stages.
+    "hsdp": ((1, 2, 2), ("pp", "dp_replicate", "dp_shard"), 2),
+}
+
+
 def train_on_mesh(rank: int, world: int, combos: list[tuple[str, int, str, int]]) -> list[str]:
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
-    dp_rank = mesh.get_local_rank("dp")
+    meshes = {}
     case = CASES["gpt"]
     done = []
     for schedule_name, num_stages, mode, m in combos:
+        shape, names, shards = TORCHTITAN_MESHES.get(mode, ((PP, DP), ("pp", "dp"), DP))
+        if names not in meshes:
+            meshes[names] = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        mesh = meshes[names]
+        sharded = mode.startswith("fsdp") or (mode in TORCHTITAN_MESHES and shards > 1)
         reference = case.model(torch.float64)
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
         runner = mpmd.PipelineRunner(
@@ -60,7 +76,13 @@ def train_on_mesh(rank: int, world: int, combos: list[tuple[str, int, str, int]]
             mesh=mesh,
             loss_fn=case.loss,
             options=mpmd.RunnerOptions(
-                data_parallel="fsdp" if mode == "fsdp+parallelize" else mode,
+                data_parallel=(
+                    None
+                    if mode in TORCHTITAN_MESHES
+                    else "fsdp"
+                    if mode == "fsdp+parallelize"
+                    else mode
+                ),
                 parallelize=_own_sharding if mode == "fsdp+parallelize" else None,
                 timeout=60,
                 bucket_bytes=4096,  # several buckets per stage
@@ -68,16 +90,17 @@ def train_on_mesh(rank: int, world: int, combos: list[tuple[str, int, str, int]]
         )
         opt = torch.optim.AdamW(runner.parameters(), lr=1e-2, weight_decay=0.01)
         local = dict(runner.named_parameters())
+        dp, dp_rank = runner.dp_size, dist.get_rank(runner.dp_group)
         for step in range(3):
-            (x,), _ = case.inputs(MICROBATCH * m * DP)
+            (x,), _ = case.inputs(MICROBATCH * m * dp)
             x = (x + step) % 64
-            y = case.target(MICROBATCH * m * DP).roll(step)
+            y = case.target(MICROBATCH * m * dp).roll(step)
             # Reference: every microbatch of every shard, in one process.
             ref_opt.zero_grad(set_to_none=True)
             losses = []
-            for xb, yb in zip(x.chunk(m * DP), y.chunk(m * DP), strict=True):
+            for xb, yb in zip(x.chunk(m * dp), y.chunk(m * dp), strict=True):
                 loss = case.loss(reference(xb), yb)
-                (loss / (m * DP)).backward()
+                (loss / (m * dp)).backward()
                 losses.append(loss.detach().double())
             ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
             ref_opt.step()
@@ -86,7 +109,7 @@ def train_on_mesh(rank: int, world: int, combos: list[tuple[str, int, str, int]]
             shard = slice(dp_rank * MICROBATCH * m, (dp_rank + 1) * MICROBATCH * m)
             out = runner.step(x[shard], target=y[shard])
             what = f"{mode} {schedule_name} step {step} rank {rank}"
-            _check_collectives(runner, mode, what)
+            _check_collectives(runner, sharded, what)
             torch.testing.assert_close(
                 out.loss, torch.stack(losses).mean(), rtol=1e-12, atol=1e-12, msg=what
             )
@@ -106,21 +129,21 @@ def train_on_mesh(rank: int, world: int, combos: list[tuple[str, int, str, int]]
                     atol=1e-10,
                     msg=f"{what}: {fqn} after AdamW",
                 )
-        if mode.startswith("fsdp"):
-            # Between steps a rank holds its shard: about 1/dp of its stages.
+        if sharded:
+            # Between steps a rank holds its shard: about 1/shards of its stages.
             from torch.distributed.tensor import DTensor
 
             held = sum(
                 (p.to_local() if isinstance(p, DTensor) else p).numel() for p in local.values()
             )
             whole = sum(p.numel() for p in local.values())
-            assert held <= 1.1 * whole / DP, (held, whole)
+            assert held <= 1.1 * whole / shards, (held, whole)
             assert any(isinstance(p, DTensor) for p in local.values())
         done.append(f"{schedule_name}: stages {runner.local_stages}, dp {runner.dp_size}")
     return done
 
 
-def _check_collectives(runner, mode: str, what: str) -> None:
+def _check_collectives(runner, sharded: bool, what: str) -> None:
     """The step ran its program's collectives, as the simulator sees them:
     FSDP gathered each local stage before its first task; every local
     stage's gradient reduction started once, the first of them while the
@@ -132,8 +155,8 @@ def _check_collectives(runner, mode: str, what: str) -> None:
     assert sorted(e.stage for e in reduced) == sorted(runner.local_stages), (what, reduced)
     for s in runner.local_stages:
         assert f"REDUCE_grads(s{s})" in program, (what, program)
-        assert (f"UNSHARD(s{s})" in program) == mode.startswith("fsdp"), (what, program)
-    if mode.startswith("fsdp"):
+        assert (f"UNSHARD(s{s})" in program) == sharded, (what, program)
+    if sharded:
         assert sorted(e.stage for e in gathered) == sorted(runner.local_stages), (what, gathered)
         for e in gathered:
             first = min(t.start for t in tl.tasks if t.stage == e.stage)
@@ -175,6 +198,19 @@ def test_pipeline_times_data_parallel_fsdp():
     combos.append(("ZeroBubbleH1", 2, "fsdp+parallelize", 4))
     reports = check_all(run_ranks(train_on_mesh, PP * DP, combos))
     assert all(len(r) == len(combos) for r in reports)
+
+
+def test_torchtitan_mesh_names_find_the_data_parallelism():
+    """("pp", "dp_shard"): FSDP; ("pp", "dp_replicate"): replicas; both:
+    FSDP's hybrid sharding. Each trains like the unpipelined model."""
+    combos = [
+        ("OneFOneB", 2, "dp_shard", 4),
+        ("ZeroBubbleH1", 2, "dp_replicate", 4),
+        ("OneFOneB", 2, "hsdp", 4),
+    ]
+    reports = check_all(run_ranks(train_on_mesh, PP * DP, combos))
+    assert all(len(r) == len(combos) for r in reports)
+    assert all("dp 4" in r[2] and "stages [0, 1]" in r[2] for r in reports), reports
 
 
 def refuse_sharded_tied_weights(rank: int, world: int) -> str:

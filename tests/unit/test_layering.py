@@ -3,6 +3,7 @@ and TYPE_CHECKING imports included), each layer imports only the layers
 below it, and no module grows past 600 lines."""
 
 import ast
+import re
 from pathlib import Path
 
 import torchmpmd
@@ -118,3 +119,91 @@ def test_no_module_over_600_lines():
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert long == {}
+
+
+# The parallelisms inside a stage are driven through their protocol
+# (torchmpmd/parallel/protocol.py) and the mesh's layout: the runtime names
+# none of them, nor the mesh dimensions they own. Public API names that say
+# "data parallel" or "tp" (RunnerOptions' fields, PipelineRunner.dp_group /
+# dp_size) are the exceptions.
+_PARALLEL_MODULES = {"layout", "protocol"}  # what runtime/ may import of parallel/
+_PARALLEL_NAMES = re.compile(r"(?:^|_)(?:dp|tp|pp|fsdp|hsdp|tensor_parallel)(?:_|$)")
+_PARALLEL_CLASSES = {"Replicas", "FSDP", "FSDPModule", "TensorParallel", "ShardedGrads"}
+_PUBLIC = {"dp_group", "dp_size", "tp_plan", "data_parallel"}
+_MESH_DIMS = {"pp", "dp", "tp", "dp_shard", "dp_replicate", "fsdp", "replicate"}
+
+
+def _docstrings(tree):
+    """The constants that are docstrings (of the module, classes, functions)."""
+    out = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        first = body[0] if isinstance(body, list) and body else None
+        if (
+            isinstance(first, ast.Expr)
+            and isinstance(first.value, ast.Constant)
+            and isinstance(first.value.value, str)
+        ):
+            out.add(id(first.value))
+    return out
+
+
+def _parallelism_names(path):
+    """Where the source at `path` names a parallelism: an import of one's
+    module, a class, an identifier or a mesh dimension's name (comments and
+    docstrings aside)."""
+    tree = ast.parse(path.read_text())
+    docs = _docstrings(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and "parallel" in node.module:
+            module = node.module.rpartition("parallel")[2].lstrip(".")
+            if module and module.split(".")[0] not in _PARALLEL_MODULES:
+                found.append(f"line {node.lineno}: imports parallel.{module}")
+        names = []
+        if isinstance(node, ast.Name):
+            names.append(node.id)
+        elif isinstance(node, ast.Attribute):
+            names.append(node.attr)
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.append(node.name)
+        elif isinstance(node, ast.arg):
+            names.append(node.arg)
+        elif isinstance(node, ast.alias):
+            names.append(node.asname or node.name.rpartition(".")[2])
+        for name in names:
+            if name in _PUBLIC:
+                continue
+            if name in _PARALLEL_CLASSES or _PARALLEL_NAMES.search(name):
+                found.append(f"line {node.lineno}: {name}")
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and id(node) not in docs
+            and node.value in _MESH_DIMS
+        ):
+            found.append(f"line {node.lineno}: {node.value!r}")
+    return found
+
+
+def test_the_runtime_names_no_parallelism():
+    found = {
+        str(path.relative_to(ROOT)): names
+        for path in sorted((ROOT / "runtime").rglob("*.py"))
+        if (names := _parallelism_names(path))
+    }
+    assert found == {}
+
+
+def test_the_parallelism_check_finds_one(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text(
+        'from ..parallel.tensor import TensorParallel\n"""doc: dp"""\nx = mesh["dp"]\n'
+        "def f(tp_group): pass\n"
+    )
+    assert sorted(_parallelism_names(path)) == [
+        "line 1: TensorParallel",
+        "line 1: imports parallel.tensor",
+        "line 3: 'dp'",
+        "line 4: tp_group",
+    ]

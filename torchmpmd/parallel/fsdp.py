@@ -27,45 +27,78 @@ checkpointing or compile policy per stage (torchtitan's `parallelize_fn`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from ..graph.pipe import Pipe
 from ..schedule.program import StageCollectives
-from .replicate import Replicate
+from .protocol import Asked, Kind, Parallelism, Parallelize, RankStages, not_sharded_over, register
+from .replicate import Replicas, broadcast_from_first
 
-__all__ = ["Shard"]
-
-Parallelize = Callable[[torch.nn.Module, DeviceMesh], object]
+__all__ = ["FSDP"]
 
 
-class Shard:
-    """FSDP2 over `dp_mesh` for this rank's stages (see the module docstring)."""
+class FSDP(Parallelism):
+    """FSDP2 over `dp_mesh` for this rank's stages (see the module
+    docstring); over a 2-D mesh ("dp_replicate", "dp_shard"), FSDP's hybrid
+    sharding (HSDP: sharded along the second, replicated along the first)."""
 
     # Each compiled pipe would need sharded modules of its own.
     name = "fsdp"
     allows_new_shapes = False
+    splits_batch = True
     collectives = StageCollectives(unshard=True, reduce_grads=True)
 
     def __init__(
         self,
         dp_mesh: DeviceMesh,
-        stages: dict[int, torch.nn.Module],
-        tied: Iterable[torch.nn.Parameter],
         parallelize: Parallelize | None,
         bucket_bytes: int,
     ) -> None:
-        tied = list(tied)
-        tied_ids = {id(p) for p in tied}
+        self.dims = tuple(dp_mesh.mesh_dim_names or ())
+        self._mesh = dp_mesh
+        # Every replica's group (HSDP: its two dimensions flattened): the
+        # tied parameters and the loss are averaged over it.
+        self._group = dp_mesh.get_group() if dp_mesh.ndim == 1 else _flattened(dp_mesh)
+        self._parallelize = parallelize
+        self._bucket_bytes = bucket_bytes
         self._stages: dict[int, FSDPModule] = {}
+        self._tied = Replicas(self._group, self.dims, bucket_bytes)
+
+    def groups(self) -> list[dist.ProcessGroup]:
+        return [self._group]
+
+    def start_equal(self, tensors: list[torch.Tensor]) -> None:
+        """Before sharding: every replica takes the first's tensors, so that
+        the shards all come from one model."""
+        broadcast_from_first(self._group, not_sharded_over(tensors, self.dims), self._bucket_bytes)
+
+    def make_equal(self, tensors: list[torch.Tensor]) -> None:
+        """The unsharded tensors (tied parameters, buffers) like the first
+        replica's; a shard has one holder (HSDP: one per replica of the
+        first dimension, which take the first's)."""
+        self.start_equal(tensors)
+        if self._mesh.ndim > 1:
+            first = self.dims[0]
+            whole = {id(t) for t in not_sharded_over(tensors, self.dims)}
+            shards = [t for t in not_sharded_over(tensors, (first,)) if id(t) not in whole]
+            broadcast_from_first(self._mesh[first].get_group(), shards, self._bucket_bytes)
+
+    def attach(self, stages: RankStages) -> None:
+        """Shards each local stage (fully_shard, or the user's parallelize)."""
+        tied = list(stages.tied)
+        tied_ids = {id(p) for p in tied}
+        parallelize, dp_mesh = self._parallelize, self._mesh
         # Per stage: the names of the tied parameters it holds, with their ids.
         tied_names = {
             s: {n: id(p) for n, p in m.named_parameters() if id(p) in tied_ids}
-            for s, m in stages.items()
+            for s, m in stages.modules.items()
         }
-        for s, module in sorted(stages.items()):
+        for s, module in sorted(stages.modules.items()):
             if parallelize is not None:
                 parallelize(module, dp_mesh)
             elif isinstance(module, FSDPModule):
@@ -92,7 +125,7 @@ class Shard:
                     "parallelize(stage, dp_mesh) must call fully_shard on the stage module itself"
                 )
             self._stages[s] = module
-        self._tied = Replicate(dp_mesh.get_group(), {}, tied, bucket_bytes)
+        self._tied.attach(RankStages({}, tied, bucket_bytes=stages.bucket_bytes))
 
     def start_step(self) -> None:
         """Gradients accumulate unsharded until the stage's last backward of
@@ -126,7 +159,7 @@ class Shard:
                 group.post_backward()
         state._root_post_backward_final_callback()
 
-    def finish(self) -> None:
+    def finish(self, tied: Mapping[int, torch.nn.Parameter] | None = None) -> None:
         """Averages the tied (unsharded) parameters over dp."""
         self._tied.finish()
 
@@ -138,3 +171,55 @@ class Shard:
     def after_eval(self) -> None:
         """The forward gathered the stages: shards between uses."""
         self.reshard()
+
+
+def _flattened(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """One group of every rank of `mesh` (a slice of the runner's mesh)."""
+    flatten = getattr(mesh, "_flatten", None)
+    group: dist.ProcessGroup
+    if flatten is not None:
+        group = flatten().get_group()
+    else:
+        ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
+        group = dist.new_group(ranks, use_local_synchronization=True)
+    return group
+
+
+def _claim(names: tuple[str, ...] | None, left: tuple[str, ...], asked: Asked) -> tuple[str, ...]:
+    """ "dp" with data_parallel="fsdp"; torchtitan's "dp_shard" (with
+    "dp_replicate": HSDP)."""
+    if "dp_shard" in left:
+        if asked.data_parallel not in (None, FSDP.name):
+            raise ValueError(
+                f"PipelineRunner: the mesh's 'dp_shard' dimension shards the stages (FSDP), "
+                f"but data_parallel={asked.data_parallel!r}; leave data_parallel unset (or "
+                "'fsdp'), or name the dimension 'dp' (or 'dp_replicate') for replicas"
+            )
+        return ("dp_replicate", "dp_shard") if "dp_replicate" in left else ("dp_shard",)
+    if asked.data_parallel != FSDP.name:
+        return ()
+    if "dp" in left:
+        return ("dp",)
+    given = "none" if names is None else f"dimensions {names}"
+    raise ValueError(
+        f"PipelineRunner: data_parallel={asked.data_parallel!r} needs a mesh with a 'dp' "
+        f"dimension (mesh=, got {given}), e.g. init_device_mesh('cpu', (pp, dp), "
+        "mesh_dim_names=('pp', 'dp')) (or torchtitan's 'dp_shard'); without data "
+        "parallelism leave data_parallel unset"
+    )
+
+
+def _make(mesh: DeviceMesh, dims: tuple[str, ...], pipe: Pipe, asked: Asked) -> FSDP:
+    return FSDP(mesh[dims], asked.parallelize, asked.bucket_bytes)
+
+
+register(
+    Kind(
+        FSDP.name,
+        ("dp", "dp_replicate", "dp_shard"),
+        _claim,
+        _make,
+        order=10,
+        options=("data_parallel", "parallelize"),
+    )
+)

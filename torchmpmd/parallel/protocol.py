@@ -1,34 +1,158 @@
-"""What a data parallelism does to a rank's stages around the schedule: one
-small interface (`StageParallelism`) that the runner drives, with
-`Replicate` and `Shard` (FSDP2) as its implementations, and `wrap` making
-the one a runner's options ask for."""
+"""What a parallelism does to a rank's stages: one interface
+(`Parallelism`), which the runtime drives through a `layout.Layout` and
+never by name. Data parallelism by replication (`replicate.Replicas`),
+FSDP2 (`fsdp.FSDP`) and tensor parallelism (`tensor.TensorParallel`) are
+its implementations; each is registered (`register`) with the mesh
+dimensions it runs over, so that `Layout.read` finds it in a DeviceMesh.
+
+The hooks, in the order the runner calls them (each has a do-nothing
+default, so an implementation writes only what it does):
+
+- build time, per compiled pipe: `transfer_shape` (the part of a value
+  crossing stages that this rank sends, for the executor's buffers and the
+  simulator's bytes), `shard_meta` (a meta model: allocate local shards
+  only), `shard` (the first pipe's allocated stages), `wrap_forward` (what
+  a stage's forward runs);
+- once the runner's weights exist: `attach` (this rank's stages, ties and
+  buckets), `start_equal` (replicas start alike, as DDP's do);
+- every collective call: `on_call` (e.g. peers draw the same random numbers);
+- every training step, inside the schedule where the program has them
+  (`collectives`, which the simulator and the timeline see too): `start_step`,
+  `unshard(stage)`, `reduce_grads(stage)`, `finish`; after a forward-only
+  step, `after_eval`;
+- after `init_weights` / `load_state_dict`: `make_equal`.
+
+Its process groups (`groups`) wait at most the runner's timeout during a
+call, and a group that splits the batch (`splits_batch`: data parallelism)
+averages the loss and checks in the replicas' calls.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
+from ..graph.pipe import Pipe, StageSpec, TensorSpec
 from ..schedule.program import StageCollectives
-from .fsdp import Parallelize, Shard
-from .replicate import Replicate
 
-__all__ = ["Placement", "StageParallelism", "collectives", "names", "register", "wrap"]
+__all__ = [
+    "Asked",
+    "Kind",
+    "Parallelism",
+    "Parallelize",
+    "RankStages",
+    "kinds",
+    "not_sharded_over",
+    "register",
+]
+
+# RunnerOptions.parallelize: fn(stage module, mesh) applying the user's own
+# sharding to a stage.
+Parallelize = Callable[[torch.nn.Module, DeviceMesh], object]
 
 
-class StageParallelism(Protocol):
-    """Called by the runner, in this order, around each step. `unshard` and
-    `reduce_grads` run inside the schedule, where the program has them (its
-    `collectives`), so the simulator sees them too."""
+@dataclass(frozen=True, slots=True)
+class RankStages:
+    """This rank's stages, as a parallelism is given them at `attach`."""
 
-    # The `data_parallel` option that asks for it ("replicate", "fsdp").
-    name: str
+    modules: dict[int, torch.nn.Module]  # by stage index
+    # The local copies of tied parameters: the pipeline sums their gradients
+    # across stages itself, so a parallelism keeps them whole.
+    tied: list[torch.nn.Parameter]
+    # (node, the pipeline ranks holding a copy) of each tie spanning ranks.
+    ties: Sequence[tuple[int, Sequence[int]]] = ()
+    bucket_bytes: int = 25 * 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class Asked:
+    """What the runner's options ask of the parallelisms (`RunnerOptions`'
+    fields of the same names)."""
+
+    data_parallel: str | None = None
+    parallelize: Parallelize | None = None
+    tp_plan: Mapping[str, str] | None = None
+    compile: object = False
+    bucket_bytes: int = 25 * 2**20
+
+
+class Parallelism:
+    """One parallelism inside a rank's stages, over its mesh dimensions
+    (`dims`). Subclass it and override what the parallelism does."""
+
+    name: str = ""  # as messages and RunnerOptions.data_parallel name it
+    dims: tuple[str, ...] = ()  # the mesh dimensions it runs over
     # Whether new microbatch shapes (traced again, stages of their own) work.
-    allows_new_shapes: bool
+    allows_new_shapes: bool = True
+    # What it puts in every stage's training program (None: nothing).
+    collectives: StageCollectives | None = None
+    # Whether its ranks each run their own part of the batch (data
+    # parallelism): the loss is averaged over its group, whose ranks check
+    # in each call alike.
+    splits_batch: bool = False
+    # Whether it sums the tied weights' gradients over their holders itself
+    # (the executor then exchanges none).
+    sums_ties: bool = False
+    # Whether the stages it runs must split their backward through autograd
+    # (its stage graphs are not the traced ones).
+    rewrites_stages: bool = False
+
+    def groups(self) -> list[dist.ProcessGroup]:
+        """Its process groups (their waits are bounded by the runner's timeout)."""
+        return []
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The group its ranks of one coordinate form (the replicas' with `splits_batch`)."""
+        found = self.groups()
+        return found[0] if found else None
+
+    # ---- build time
+
+    def transfer_shape(self, spec: TensorSpec, shape: list[int]) -> list[int]:
+        """The shape of this rank's part of a value crossing stages (`shape`:
+        what the parallelisms before it left of `spec.shape`)."""
+        return shape
+
+    def shard_meta(self, stages: Mapping[int, torch.nn.Module], pipe: Pipe) -> None:
+        """A model on the meta device: places the stages' parameters before
+        they are allocated, so each rank allocates only its part."""
+
+    def shard(self, stages: Mapping[int, torch.nn.Module], pipe: Pipe) -> None:
+        """The first compiled pipe's allocated stages, before anything runs."""
+
+    def wrap_forward(
+        self,
+        stage: torch.nn.Module,
+        call: Callable[..., Any],
+        spec: StageSpec,
+        transfers: Mapping[int, TensorSpec],
+    ) -> Callable[..., Any]:
+        """What runs in place of the stage's forward `call`."""
+        return call
+
+    # ---- weights
+
+    def attach(self, stages: RankStages) -> None:
+        """This rank's stages, once the runner holds its weights."""
+
+    def start_equal(self, tensors: list[torch.Tensor]) -> None:
+        """At construction: the copies of this rank's tensors that the
+        parallelism's peers hold start alike (collective over its groups)."""
+
+    def make_equal(self, tensors: list[torch.Tensor]) -> None:
+        """After `init_weights` / `load_state_dict` (inside a collective call)."""
+
+    # ---- calls and steps
+
+    def on_call(self, kind: str, device: torch.device) -> None:
+        """At the start of each collective call `kind`, after the check-in."""
 
     def start_step(self) -> None:
         """Before the schedule."""
@@ -42,77 +166,58 @@ class StageParallelism(Protocol):
         the step (its last B or W), while the rank runs the rest (with
         `collectives.reduce_grads`)."""
 
-    def finish(self) -> None:
-        """After the schedule: every gradient is final when it returns."""
+    def finish(self, tied: Mapping[int, torch.nn.Parameter]) -> None:
+        """After the schedule: every gradient is final when the last
+        parallelism's returns (`tied`: this rank's tied copies by node)."""
 
     def after_eval(self) -> None:
         """After a forward-only step."""
 
 
 @dataclass(frozen=True, slots=True)
-class Placement:
-    """Where a parallelism wraps a rank's stages: what its factory is given."""
+class Kind:
+    """A registered parallelism: the mesh dimensions it may run over, and
+    what makes it from the mesh and the runner's options."""
 
-    mesh: DeviceMesh
-    dp_group: dist.ProcessGroup  # the mesh's "dp" dimension
-    stages: dict[int, torch.nn.Module]  # this rank's stages, by index
-    # The local copies of tied parameters: the pipeline sums their gradients
-    # across stages itself, so a parallelism keeps them whole.
-    tied: list[torch.nn.Parameter]
-    parallelize: Parallelize | None  # the user's own sharding function
-    bucket_bytes: int
-
-
-Factory = Callable[[Placement], StageParallelism]
-
-# The `data_parallel` options, each with what makes it and the collectives
-# its stages get in the program.
-_KINDS: dict[str, tuple[Factory, StageCollectives]] = {}
-
-
-def register(name: str, factory: Factory, stage_collectives: StageCollectives) -> None:
-    """Makes `RunnerOptions(data_parallel=name)` wrap the stages with
-    `factory(placement)`, and put `stage_collectives` (which the
-    parallelism's `unshard` / `reduce_grads` run) in every stage's program."""
-    _KINDS[name] = (factory, stage_collectives)
+    name: str
+    # The dimension names it may take (for the message that refuses others).
+    dims: tuple[str, ...]
+    # claim(the mesh's dimension names or None for no mesh, those not taken
+    # yet, the options): the ones it runs over (() if none); raises if the
+    # options ask for it and the mesh lacks them.
+    claim: Callable[[tuple[str, ...] | None, tuple[str, ...], Asked], tuple[str, ...]]
+    # Makes it over the claimed dimensions.
+    make: Callable[[DeviceMesh, tuple[str, ...], Pipe, Asked], Parallelism]
+    # Inside the stages' computation (tensor parallelism) before across
+    # replicas (data parallelism): its hooks run in this order.
+    order: int = 0
+    # Options only it reads (checked unset when no dimension is its).
+    options: tuple[str, ...] = field(default=())
 
 
-def names() -> list[str]:
-    """The `data_parallel` options there are, in the order they were registered."""
-    return list(_KINDS)
+_KINDS: dict[str, Kind] = {}
 
 
-def collectives(mode: str) -> StageCollectives:
-    """What the data parallelism `mode` puts in its stages' programs."""
-    return _KINDS[mode][1]
+def register(kind: Kind) -> None:
+    """Makes `layout.Layout.read` find `kind` in a mesh: a parallelism of
+    your own runs inside every stage once registered."""
+    _KINDS[kind.name] = kind
 
 
-register(
-    "replicate",
-    lambda p: Replicate(
-        p.dp_group, {s: m.parameters() for s, m in p.stages.items()}, p.tied, p.bucket_bytes
-    ),
-    Replicate.collectives,
-)
-register(
-    "fsdp",
-    lambda p: Shard(p.mesh["dp"], p.stages, p.tied, p.parallelize, p.bucket_bytes),
-    Shard.collectives,
-)
+def kinds() -> list[Kind]:
+    """The registered parallelisms, in the order their hooks run."""
+    return sorted(_KINDS.values(), key=lambda k: k.order)
 
 
-def wrap(
-    mode: str | None,
-    mesh: DeviceMesh | None,
-    dp_group: dist.ProcessGroup | None,
-    stages: dict[int, torch.nn.Module],
-    tied: Iterable[torch.nn.Parameter],
-    parallelize: Parallelize | None,
-    bucket_bytes: int,
-) -> StageParallelism | None:
-    """The data parallelism `mode` (a registered name, or None) over the
-    mesh's "dp" dimension for this rank's `stages`."""
-    if mode is None or mesh is None or dp_group is None:
-        return None
-    placement = Placement(mesh, dp_group, stages, list(tied), parallelize, bucket_bytes)
-    return _KINDS[mode][0](placement)
+def not_sharded_over(tensors: list[torch.Tensor], dims: tuple[str, ...]) -> list[torch.Tensor]:
+    """The tensors every rank along mesh dimensions `dims` holds a whole
+    copy of: plain ones, and DTensors replicated along each of `dims`
+    their mesh has."""
+    out = []
+    for t in tensors:
+        if isinstance(t, DTensor):
+            names = t.device_mesh.mesh_dim_names or ()
+            if any(d in names and not t.placements[names.index(d)].is_replicate() for d in dims):
+                continue
+        out.append(t)
+    return out

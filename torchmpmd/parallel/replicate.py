@@ -24,17 +24,20 @@ at construction, as DDP does, and again after `init_weights` /
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from ..graph.pipe import Pipe
 from ..schedule.program import StageCollectives
+from .protocol import Asked, Kind, Parallelism, RankStages, not_sharded_over, register
 
-__all__ = ["Replicate", "local_shard"]
+__all__ = ["Replicas", "broadcast_from_first", "local_shard"]
 
 _P = TypeVar("_P", bound=torch.Tensor)
 
@@ -46,36 +49,53 @@ class _Bucket:
     work: dist.Work | None
 
 
-class Replicate:
-    """Averages the gradients of this rank's stages over `group`."""
+class Replicas(Parallelism):
+    """Averages the gradients of this rank's stages over `group` (the mesh's
+    `dims`), each replica running its own part of the batch."""
 
     name = "replicate"
     allows_new_shapes = True
+    splits_batch = True
     # Whole stages on every replica: nothing to gather, gradients to average.
     collectives = StageCollectives(unshard=False, reduce_grads=True)
 
     def __init__(
         self,
         group: dist.ProcessGroup,
-        stages: dict[int, Iterable[torch.nn.Parameter]],
-        tied: Iterable[torch.nn.Parameter],
+        dims: tuple[str, ...] = ("dp",),
         bucket_bytes: int = 25 * 2**20,
     ) -> None:
-        self.group = group
+        self._group = group
+        self.dims = dims
         self.size = dist.get_world_size(group)
         self.bucket_bytes = bucket_bytes
-        tied_ids = {id(p) for p in tied}
-        seen = set(tied_ids)
         self._stage_params: dict[int, list[torch.nn.Parameter]] = {}
-        for s, params in sorted(stages.items()):
+        self._tied: list[torch.nn.Parameter] = []
+        self._buckets: list[_Bucket] = []
+
+    def groups(self) -> list[dist.ProcessGroup]:
+        return [self._group]
+
+    def attach(self, stages: RankStages) -> None:
+        """Averages the parameters of `stages.modules` (each once), the tied
+        ones last (`finish`)."""
+        seen = {id(p) for p in stages.tied}
+        for s, module in sorted(stages.modules.items()):
             own = []
-            for p in params:
+            for p in module.parameters():
                 if p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
                     own.append(p)
             self._stage_params[s] = own
-        self._tied = [p for p in _unique(tied) if p.requires_grad]
-        self._buckets: list[_Bucket] = []
+        self._tied = [p for p in _unique(stages.tied) if p.requires_grad]
+        self.bucket_bytes = stages.bucket_bytes
+
+    def start_equal(self, tensors: list[torch.Tensor]) -> None:
+        """Replicas start from the first's tensors, as DDP's do."""
+        broadcast_from_first(self._group, not_sharded_over(tensors, self.dims), self.bucket_bytes)
+
+    def make_equal(self, tensors: list[torch.Tensor]) -> None:
+        self.start_equal(tensors)
 
     def start_step(self) -> None:
         self._buckets = []
@@ -90,7 +110,7 @@ class Replicate:
         """Starts averaging `stage`'s gradients (all of this step's are final)."""
         self._launch(self._stage_params.get(stage, []))
 
-    def finish(self) -> None:
+    def finish(self, tied: Mapping[int, torch.nn.Parameter] | None = None) -> None:
         """Averages the tied parameters, waits for every bucket, writes back.
         A bucket that failed (a replica failed or left) is raised once every
         bucket's wait has ended: Gloo aborts the process when a group is
@@ -123,7 +143,7 @@ class Replicate:
                 [p.grad is not None for p in group], dtype=parts[0].dtype, device=parts[0].device
             )
             flat = torch.cat([*parts, flags])
-            work = dist.all_reduce(flat, group=self.group, async_op=True)
+            work = dist.all_reduce(flat, group=self._group, async_op=True)
             self._buckets.append(_Bucket(group, flat, work))
 
 
@@ -207,3 +227,38 @@ def _unique(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
             seen.add(id(p))
             out.append(p)
     return out
+
+
+def _claim(names: tuple[str, ...] | None, left: tuple[str, ...], asked: Asked) -> tuple[str, ...]:
+    """ "dp" (unless data_parallel asks for another), or torchtitan's
+    "dp_replicate" alone (with "dp_shard" it is FSDP's hybrid sharding)."""
+    if asked.data_parallel not in (None, Replicas.name):
+        return ()
+    if "dp" in left:
+        return ("dp",)
+    if "dp_replicate" in left and "dp_shard" not in left:
+        return ("dp_replicate",)
+    if asked.data_parallel is not None and "dp_shard" not in left:  # FSDP's says why
+        given = "none" if names is None else f"dimensions {names}"
+        raise ValueError(
+            f"PipelineRunner: data_parallel={asked.data_parallel!r} needs a mesh with a 'dp' "
+            f"dimension (mesh=, got {given}), e.g. init_device_mesh('cpu', (pp, dp), "
+            "mesh_dim_names=('pp', 'dp')); without data parallelism leave data_parallel unset"
+        )
+    return ()
+
+
+def _make(mesh: DeviceMesh, dims: tuple[str, ...], pipe: Pipe, asked: Asked) -> Replicas:
+    return Replicas(mesh[dims[0]].get_group(), dims, asked.bucket_bytes)
+
+
+register(
+    Kind(
+        Replicas.name,
+        ("dp", "dp_replicate"),
+        _claim,
+        _make,
+        order=10,
+        options=("data_parallel",),
+    )
+)

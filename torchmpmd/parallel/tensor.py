@@ -38,154 +38,33 @@ agrees to the last bits, where a model computes in float64 throughout).
 from __future__ import annotations
 
 import copy
-import functools
-import re
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
-from ..graph.pipe import StageSpec, TensorSpec
+from ..graph.pipe import Pipe, StageSpec, TensorSpec
 from ..graph.stage import as_stage
 from . import tensor_ops  # noqa: F401  (sharding strategies DTensor lacks)
+from .protocol import Asked, Kind, Parallelism, Parallelize, RankStages, not_sharded_over, register
+from .replicate import broadcast_from_first
+from .tensor_checks import check_plan
 from .tensor_grads import ShardedGrads
-from .tensor_random import draws_random, random_op
+from .tensor_plan import (
+    _INPUT_PLACEMENT,
+    _REPLICATED_OUTPUT,
+    _SEQUENCE_OUTPUT,
+    STYLES,
+    TensorPlan,
+)
+from .tensor_random import draws_random, random_op, share_generators, with_random_ops
 
 __all__ = ["STYLES", "TensorParallel", "TensorPlan", "placed", "replicated"]
-
-# Each style: the placement of a module's weight and of its other parameters
-# (bias), over the tp dimension; sequence_parallel and replicate keep the
-# parameters whole.
-_COLWISE = (Shard(0), Shard(0))
-_ROWWISE = (Shard(1), Replicate())
-_WHOLE = (Replicate(), Replicate())
-STYLES: dict[str, tuple[Placement, Placement]] = {
-    "colwise": _COLWISE,
-    "colwise_rep": _COLWISE,
-    "colwise_gather_output": _COLWISE,
-    "rowwise": _ROWWISE,
-    "rowwise_rep": _ROWWISE,
-    "embedding_rowwise": (Shard(0), Replicate()),
-    "replicate": _WHOLE,
-    "sequence_parallel": _WHOLE,
-}
-
-
-# Styles whose module hands its output on replicated (Hugging Face's and
-# torch's output layouts): the all-reduce of a row-parallel layer's partial
-# sums, the all-gather of a "_rep" / "gather_output" column-parallel one, a
-# vocabulary-parallel embedding's masked sum. Other outputs stay as DTensor
-# placed them until an op needs them otherwise.
-_REPLICATED_OUTPUT = {
-    "colwise_rep",
-    "colwise_gather_output",
-    "rowwise",
-    "rowwise_rep",
-    "embedding_rowwise",
-}
-
-
-# Under sequence parallelism (a plan with "sequence_parallel" modules, as
-# Megatron's): the styles whose module hands its output on sequence-sharded
-# instead (a reduce-scatter of a row-parallel layer's or a vocabulary-parallel
-# embedding's partial sums), and the placement a styled module's activation
-# inputs take where they enter it (torch's SequenceParallel and
-# ColwiseParallel(input_layouts=Shard(1)): norms on sequence shards, an
-# all-gather of the sequence into each column-parallel layer).
-_SEQUENCE_OUTPUT = {"rowwise", "embedding_rowwise"}
-_INPUT_PLACEMENT = {
-    "sequence_parallel": "_tp_enter_sequence",
-    "colwise": "_tp_enter_replicated",
-    "colwise_rep": "_tp_enter_replicated",
-    "colwise_gather_output": "_tp_enter_replicated",
-}
-
-
-@functools.cache
-def _pattern(key: str) -> re.Pattern[str]:
-    """A plan key as a regular expression: `*` stands for one path component."""
-    return re.compile(
-        ".".join("[^.]+" if part == "*" else re.escape(part) for part in key.split("."))
-    )
-
-
-@dataclass(frozen=True)
-class TensorPlan:
-    """Module-path patterns and their styles, in Hugging Face's `tp_plan`
-    format; the first pattern that matches a module's whole path wins."""
-
-    rules: tuple[tuple[str, str], ...]
-    where: str = "tp_plan"  # where it came from, for messages
-    explicit: bool = True  # the user's (else the model's own)
-
-    @staticmethod
-    def of(plan: Mapping[str, str], where: str = "tp_plan") -> TensorPlan:
-        if not isinstance(plan, Mapping):
-            raise TypeError(
-                f"{where} must map module-path patterns to styles, e.g. "
-                f"{{'layers.*.mlp.up_proj': 'colwise'}}, got {type(plan).__name__}"
-            )
-        for key, style in plan.items():
-            if not isinstance(key, str) or not isinstance(style, str):
-                raise TypeError(f"{where}: {key!r}: {style!r}: patterns and styles are strings")
-            if style not in STYLES:
-                raise ValueError(
-                    f"{where}: {key!r} has style {style!r}, which torchmpmd does not run; use "
-                    f"one of {', '.join(STYLES)}"
-                )
-        return TensorPlan(tuple(plan.items()), where, where == "tp_plan")
-
-    @staticmethod
-    def for_model(plan: Mapping[str, str] | None, source: torch.nn.Module | None) -> TensorPlan:
-        """`plan`, or the model's own (a Hugging Face model's `_tp_plan`, or
-        its config's `base_model_tp_plan` under the base model's prefix)."""
-        if plan is not None:
-            return TensorPlan.of(plan)
-        own = getattr(source, "_tp_plan", None)
-        if isinstance(own, Mapping) and own:
-            return TensorPlan.of(own, f"{type(source).__name__}._tp_plan")
-        config = getattr(source, "config", None)
-        base = getattr(config, "base_model_tp_plan", None)
-        if isinstance(base, Mapping) and base:
-            prefix = getattr(source, "base_model_prefix", "")
-            if prefix and hasattr(source, prefix):
-                base = {f"{prefix}.{k}": v for k, v in base.items()}
-            return TensorPlan.of(base, f"{type(config).__name__}.base_model_tp_plan")
-        raise ValueError(
-            "PipelineRunner: the mesh has a 'tp' dimension but no tensor-parallel plan was "
-            "given and the model has none of its own (a Hugging Face model's _tp_plan or "
-            "config.base_model_tp_plan); pass options=mpmd.RunnerOptions(tp_plan={'layers.*."
-            "mlp.up_proj': 'colwise', 'layers.*.mlp.down_proj': 'rowwise', ...})"
-        )
-
-    @property
-    def sequence_parallel(self) -> bool:
-        """Whether the plan keeps the residual stream sharded along the
-        sequence (any module styled "sequence_parallel")."""
-        return any(style == "sequence_parallel" for _, style in self.rules)
-
-    def style_of(self, module_path: str) -> str | None:
-        for key, style in self.rules:
-            if _pattern(key).fullmatch(module_path):
-                return style
-        return None
-
-    def placement(self, name: str, source: torch.nn.Module | None) -> Placement:
-        """Where parameter `name` (its model path) lies over tp."""
-        module_path, _, leaf = name.rpartition(".")
-        style = self.style_of(module_path)
-        if style is None:
-            return Replicate()
-        weight, other = STYLES[style]
-        owner = _submodule(source, module_path)
-        if isinstance(owner, torch.nn.Embedding) and style.startswith("colwise"):
-            return Shard(1)  # an embedding's output features are its weight's columns
-        return weight if leaf == "weight" else other
 
 
 def replicated(value: Any) -> Any:
@@ -229,24 +108,30 @@ def _inside(node: fx.Node, path: str) -> bool:
     return any(p == path for p, _ in stack.values())
 
 
-def _submodule(source: torch.nn.Module | None, path: str) -> torch.nn.Module | None:
-    if source is None:
-        return None
-    try:
-        return source.get_submodule(path)
-    except AttributeError:
-        return None
+class TensorParallel(Parallelism):
+    """A runner's tensor parallelism: the plan, over the mesh's "tp"
+    dimension (`mesh`, a slice of the runner's whole mesh `root`)."""
 
+    name = "tp"
+    dims = ("tp",)
+    # The executor exchanges plain tensors: the tied weights' DTensor
+    # gradients are summed over their holders here (`ShardedGrads`).
+    sums_ties = True
+    # A traced stage runs its rewritten copy: split through autograd.
+    rewrites_stages = True
 
-@dataclass(frozen=True)
-class TensorParallel:
-    """A runner's tensor parallelism: the plan, over the mesh's "tp" dimension."""
-
-    plan: TensorPlan
-    mesh: DeviceMesh  # 1-D: "tp"
-    root: DeviceMesh  # the runner's whole mesh ("pp", ["dp",] "tp")
-    # The user's fn(stage, stage_mesh) (RunnerOptions.parallelize), or None.
-    parallelize: Callable[[torch.nn.Module, DeviceMesh], object] | None = None
+    def __init__(
+        self,
+        plan: TensorPlan,
+        mesh: DeviceMesh,
+        root: DeviceMesh,
+        parallelize: Parallelize | None = None,
+    ) -> None:
+        self.plan, self.mesh, self.root = plan, mesh, root
+        # The user's fn(stage, stage_mesh) (RunnerOptions.parallelize), or None.
+        self.parallelize = parallelize
+        self._grads: ShardedGrads | None = None
+        self._bucket_bytes = 25 * 2**20
 
     @property
     def size(self) -> int:
@@ -254,9 +139,78 @@ class TensorParallel:
 
     @property
     def stage_mesh(self) -> DeviceMesh:
-        """The mesh a stage is parallel over: ("dp", "tp"), or "tp" alone."""
-        names = tuple(self.root.mesh_dim_names or ())
-        return self.root["dp", "tp"] if "dp" in names else self.mesh
+        """The mesh a stage is parallel over: every dimension of the runner's
+        but the pipeline's (("dp", "tp"), or "tp" alone)."""
+        names = tuple(n for n in self.root.mesh_dim_names or () if n != "pp")
+        return self.root[names] if len(names) > 1 else self.mesh
+
+    # ---- the parallelism protocol (protocol.Parallelism)
+
+    def groups(self) -> list[dist.ProcessGroup]:
+        return [self.mesh.get_group()]
+
+    def transfer_shape(self, spec: TensorSpec, shape: list[int]) -> list[int]:
+        placement = self.boundary(spec)
+        if isinstance(placement, Shard):
+            shape = list(shape)
+            shape[placement.dim] //= self.size
+        return shape
+
+    def shard_meta(self, stages: Mapping[int, torch.nn.Module], pipe: Pipe) -> None:
+        """A model on the meta device: each rank allocates only its shards."""
+        if any(p.is_meta for m in stages.values() for p in m.parameters()):
+            self.place_parameters(stages, pipe.parameter_aliases, pipe.source)
+
+    def shard(self, stages: Mapping[int, torch.nn.Module], pipe: Pipe) -> None:
+        """The plan shards the traced stages; the user's `parallelize` any."""
+        traced = {s: m for s, m in stages.items() if as_stage(m).traced}
+        self.place_parameters(traced, pipe.parameter_aliases, pipe.source)
+        self.apply_parallelize(stages)
+
+    def wrap_forward(
+        self,
+        stage: torch.nn.Module,
+        call: Callable[..., Any],
+        spec: StageSpec,
+        transfers: Mapping[int, TensorSpec],
+    ) -> Callable[..., Any]:
+        """A traced stage runs its rewrite on DTensors; a stage cut by hand
+        runs the user's tensor parallelism as it is (its random ops drawn as
+        a traced stage's are: tensor_random)."""
+        inner: Callable[..., Any] = (
+            self.rewrite(stage, spec, transfers)
+            if as_stage(stage).traced
+            else with_random_ops(call)
+        )
+        return self.wrap(inner, spec, transfers)
+
+    def attach(self, stages: RankStages) -> None:
+        self._grads = ShardedGrads(self.root, stages.modules, stages.ties)
+        self._bucket_bytes = stages.bucket_bytes
+
+    def make_equal(self, tensors: list[torch.Tensor]) -> None:
+        """An init drawn on each tp rank (its own generator) must leave the
+        replicated tensors (norms, biases) alike: tp rank 0's."""
+        if self.size > 1:
+            whole = not_sharded_over(tensors, self.dims)
+            broadcast_from_first(self.mesh.get_group(), whole, self._bucket_bytes)
+
+    def on_call(self, kind: str, device: torch.device) -> None:
+        """Stages draw random numbers (dropout): tp peers draw alike."""
+        if kind in ("step", "eval_step"):
+            share_generators(self.mesh.get_group(), device)
+
+    def reduce_grads(self, stage: int) -> None:
+        """Before a data parallelism reduces them: gradients placed as their
+        parameters."""
+        if self._grads is not None:
+            self._grads.place(stage)
+
+    def finish(self, tied: Mapping[int, torch.nn.Parameter]) -> None:
+        if self._grads is not None:
+            self._grads.finish(tied)
+
+    # ---- what the hooks use
 
     def apply_parallelize(self, stages: Mapping[int, torch.nn.Module]) -> None:
         """Calls the user's `parallelize(stage, stage_mesh)` on each stage (a
@@ -269,7 +223,7 @@ class TensorParallel:
             self.parallelize(module if stage.traced else stage.state_root, self.stage_mesh)
             stage.refresh_state()
 
-    def shard(
+    def place_parameters(
         self,
         stages: Mapping[int, torch.nn.Module],
         aliases: Mapping[str, list[str]],
@@ -332,11 +286,7 @@ class TensorParallel:
 
     def local_shape(self, spec: TensorSpec) -> list[int]:
         """The shape of each tp rank's part of a transfer (`boundary`)."""
-        shape = list(spec.shape)
-        placement = self.boundary(spec)
-        if isinstance(placement, Shard):
-            shape[placement.dim] //= self.size
-        return shape
+        return self.transfer_shape(spec, list(spec.shape))
 
     def rewrite(
         self,
@@ -449,13 +399,6 @@ class TensorParallel:
                         uses.setdefault((value, target), []).append(node)
         for (value, target), users in uses.items():
             _insert_after(graph, value, target, users)
-
-    def gradients(
-        self, stages: Mapping[int, torch.nn.Module], ties: Sequence[tuple[int, Sequence[int]]]
-    ) -> ShardedGrads:
-        """What becomes of the local `stages`' gradients in each step (see
-        `ShardedGrads`); `ties`: (node, holder pipeline ranks)."""
-        return ShardedGrads(self.root, stages, ties)
 
     def wrap(
         self,
@@ -579,3 +522,42 @@ def _insert_after(graph: fx.Graph, node: fx.Node, target: str, users: list[fx.No
     for user in users:
         user.replace_input_with(node, placed)
     return placed
+
+
+def _claim(names: tuple[str, ...] | None, left: tuple[str, ...], asked: Asked) -> tuple[str, ...]:
+    if "tp" in left:
+        return ("tp",)
+    if asked.tp_plan is not None:
+        raise ValueError(
+            "PipelineRunner: tp_plan needs a mesh with a 'tp' dimension, e.g. "
+            "init_device_mesh('cpu', (pp, tp), mesh_dim_names=('pp', 'tp'))"
+        )
+    return ()
+
+
+def _make(mesh: DeviceMesh, dims: tuple[str, ...], pipe: Pipe, asked: Asked) -> TensorParallel:
+    """The stages' tensor parallelism over the mesh's "tp" dimension,
+    checked before anything is compiled or exchanged."""
+    eager = [s for s in range(pipe.num_stages) if not as_stage(pipe.stage(s)).traced]
+    if eager and asked.parallelize is None:
+        raise ValueError(
+            f"PipelineRunner: stages {eager} were cut by hand (mpmd.from_stages), which a "
+            "tp_plan cannot reach (it shards traced stages); pass options=mpmd.RunnerOptions("
+            "parallelize=fn) with fn(stage, stage_mesh) applying your own tensor parallelism, "
+            "e.g. parallelize_module(stage, stage_mesh['tp'], {'mlp.up': ColwiseParallel(), "
+            "'mlp.down': RowwiseParallel()})"
+        )
+    if len(eager) == pipe.num_stages:  # no traced stage: the plan is not needed
+        return TensorParallel(TensorPlan(()), mesh["tp"], mesh, asked.parallelize)
+    if asked.compile:
+        raise ValueError(
+            "PipelineRunner: torch.compile of tensor-parallel stages is not supported yet; "
+            "leave RunnerOptions.compile off with a 'tp' mesh dimension"
+        )
+    plan = TensorPlan.for_model(asked.tp_plan, pipe.source)
+    if pipe.source is not None:
+        check_plan(plan, pipe.source, int(mesh["tp"].size()))
+    return TensorParallel(plan, mesh["tp"], mesh, asked.parallelize)
+
+
+register(Kind("tp", ("tp",), _claim, _make, order=0, options=("tp_plan", "parallelize")))

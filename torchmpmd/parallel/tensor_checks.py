@@ -22,7 +22,7 @@ import re
 import torch
 from torch.distributed.tensor import Shard
 
-from .tensor import TensorPlan, _pattern
+from .tensor_plan import TensorPlan, _pattern
 
 __all__ = ["check_plan"]
 

@@ -4,7 +4,7 @@ across pipeline ranks summed over its holders."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from .replicate import local_shard
 
-__all__ = ["ShardedGrads"]
+__all__ = ["ShardedGrads", "place_grads"]
 
 
 class ShardedGrads:
@@ -23,7 +23,7 @@ class ShardedGrads:
        replicated weight's gradient as partial sums where the activations
        it met were sharded, which an optimizer, a norm or a data-parallel
        average of local shards would misread): a stage's right before its
-       data-parallel reduction (`before`), every one after the schedule.
+       data-parallel reduction (`place`), every one after the schedule.
     2. A tied weight's copies' gradients are summed over its holders: the
        copies are DTensors placed alike, so each tp rank adds up its shards
        with the same tp coordinate's on the other holder ranks (the executor
@@ -53,24 +53,19 @@ class ShardedGrads:
                     group = dist.new_group(ranks, use_local_synchronization=True)
                     self._groups[node] = group
 
-    def before(self, reduce: Callable[[int], None]) -> Callable[[int], None]:
-        """`reduce(stage)` (a data parallelism's) on gradients placed as
-        their parameters."""
-
-        def placed_then_reduced(stage: int) -> None:
-            module = self._stages.get(stage)
-            if module is not None:
-                _place(module.parameters())
-            reduce(stage)
-
-        return placed_then_reduced
+    def place(self, stage: int) -> None:
+        """`stage`'s gradients placed as their parameters (before a data
+        parallelism reduces them)."""
+        module = self._stages.get(stage)
+        if module is not None:
+            place_grads(module.parameters())
 
     @torch.no_grad()
     def finish(self, tied: Mapping[int, torch.nn.Parameter]) -> None:
         """After the schedule, before data parallelism's average of the tied
         weights (the sums commute)."""
         for module in self._stages.values():
-            _place(module.parameters())
+            place_grads(module.parameters())
         for node, group in self._groups.items():
             param = tied[node]
             if param.grad is None:  # a copy the step did not reach adds zeros
@@ -79,7 +74,7 @@ class ShardedGrads:
 
 
 @torch.no_grad()
-def _place(params: Iterable[torch.nn.Parameter]) -> None:
+def place_grads(params: Iterable[torch.nn.Parameter]) -> None:
     """Each DTensor gradient placed as its parameter (the parameters a stage
     holds now: FSDP swaps in unsharded ones while a stage is gathered)."""
     for param in params:

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..graph.pipe import Pipe, TensorSpec
-from ..parallel.protocol import StageParallelism
+from ..parallel.layout import Layout
+from ..parallel.protocol import Parallelism
 from .checks import check_dtypes
 from .compiled import CompiledPipe, Options, signature_of, traced_signature
 from .fingerprint import BatchPrint, batch_print
@@ -30,15 +31,14 @@ class Batch:
     shapes: dict[tuple[int, int], list[int]]
     fingerprint: BatchPrint
 
-    def prepare(self, step: Step, dp: StageParallelism | None, local_stages: Sequence[int]) -> None:
-        """Starts the step's data parallelism and prepares each compiled pipe
-        the batch uses for the first time (traces its split stages, on
-        gathered parameters: the program's UNSHARD is a no-op then)."""
+    def prepare(self, step: Step, parallelism: Parallelism, local_stages: Sequence[int]) -> None:
+        """Starts the step's parallelisms and prepares each compiled pipe the
+        batch uses for the first time (traces its split stages, on gathered
+        parameters: the program's UNSHARD is a no-op then)."""
         firsts = self.first_uses()
-        if dp is not None:
-            dp.start_step()
-            for s in local_stages if firsts else ():
-                dp.unshard(s)
+        parallelism.start_step()
+        for s in local_stages if firsts else ():
+            parallelism.unshard(s)
         for mb, c in firsts:
             c.stages.prepare(step, mb)
 
@@ -59,12 +59,12 @@ class Batches:
         pipe: Pipe,
         first: CompiledPipe,
         options: Options,
-        parallelism: StageParallelism | None,
+        layout: Layout,
     ) -> None:
         self.pipe = pipe
         self.first = first
         self.options = options
-        self.parallelism = parallelism
+        self.layout = layout
         self.compiled = {traced_signature(pipe): first}
         self.num_traces = 0  # signatures traced after the first
 
@@ -74,10 +74,10 @@ class Batches:
         compiled = self.compiled.get(signature)
         if compiled is not None:
             return compiled
-        if self.parallelism is not None and not self.parallelism.allows_new_shapes:
+        refused = self.layout.new_shapes_refused()
+        if refused is not None:
             raise ValueError(
-                f"data_parallel={self.parallelism.name!r}: microbatches must keep the traced "
-                f"shapes (got {[s for s in signature if isinstance(s, TensorSpec)]}); pass "
+                f"{refused} (got {[s for s in signature if isinstance(s, TensorSpec)]}); pass "
                 "batches that split into microbatches like the traced example"
             )
         compiled = CompiledPipe.retraced(self.pipe, row, self.options, shared=self.first)

@@ -1,6 +1,6 @@
 """The runner's checks of what it is given, all local and made before any
 message is exchanged (a refused call leaves the runner usable): its options,
-the schedule and recompute policy, data parallelism, a batch's dtypes, the
+the schedule and recompute policy, a batch's dtypes, the
 outputs `eval_step` can rebuild, `clip_grad_norm_`'s arguments."""
 
 from __future__ import annotations
@@ -11,14 +11,8 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 
-from .. import parallel
 from ..graph.pipe import Pipe, TensorSpec
-from ..graph.stage import as_stage
-from ..parallel.fsdp import Parallelize
-from ..parallel.tensor import TensorParallel, TensorPlan
-from ..parallel.tensor_checks import check_plan
 from ..schedule.task import is_index, recomputed_stages, require_schedule
 
 if TYPE_CHECKING:
@@ -131,72 +125,6 @@ def check_schedule(
             "per stage: leave them out of with_recompute(...), or out of recompute (e.g. "
             "{stage: 'selective'} for the other stages)"
         )
-
-
-def data_parallel_mode(
-    data_parallel: str | None, parallelize: Parallelize | None, mesh: DeviceMesh | None
-) -> str | None:
-    """How the stages are replicated over the mesh's "dp" dimension (None:
-    not at all), checked before anything is compiled or exchanged."""
-    has_dp = mesh is not None and "dp" in tuple(mesh.mesh_dim_names or ())
-    mode = data_parallel or ("replicate" if has_dp else None)
-    if mode is not None and mode not in parallel.names():
-        raise ValueError(
-            f"data_parallel={mode!r}: use {' or '.join(repr(n) for n in parallel.names())}"
-        )
-    has_tp = mesh is not None and "tp" in tuple(mesh.mesh_dim_names or ())
-    if parallelize is not None and mode != "fsdp" and not has_tp:
-        raise ValueError(
-            "parallelize= applies to data_parallel='fsdp' and to meshes with a 'tp' dimension"
-        )
-    if mode is not None and not has_dp:
-        given = "none" if mesh is None else f"dimensions {tuple(mesh.mesh_dim_names or ())}"
-        raise ValueError(
-            f"PipelineRunner: data_parallel={mode!r} needs a mesh with a 'dp' dimension "
-            f"(mesh=, got {given}), e.g. init_device_mesh('cpu', (pp, dp), "
-            "mesh_dim_names=('pp', 'dp')); without data parallelism leave data_parallel unset"
-        )
-    return mode
-
-
-def tensor_parallelism(
-    mesh: DeviceMesh | None,
-    plan: Mapping[str, str] | None,
-    pipe: Pipe,
-    compiled: object,
-    parallelize: Parallelize | None,
-) -> TensorParallel | None:
-    """The stages' tensor parallelism over the mesh's "tp" dimension (None:
-    none), checked before anything is compiled or exchanged."""
-    names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
-    if "tp" not in names:
-        if plan is not None:
-            raise ValueError(
-                "PipelineRunner: tp_plan needs a mesh with a 'tp' dimension, e.g. "
-                "init_device_mesh('cpu', (pp, tp), mesh_dim_names=('pp', 'tp'))"
-            )
-        return None
-    assert mesh is not None
-    eager = [s for s in range(pipe.num_stages) if not as_stage(pipe.stage(s)).traced]
-    if eager and parallelize is None:
-        raise ValueError(
-            f"PipelineRunner: stages {eager} were cut by hand (mpmd.from_stages), which a "
-            "tp_plan cannot reach (it shards traced stages); pass options=mpmd.RunnerOptions("
-            "parallelize=fn) with fn(stage, stage_mesh) applying your own tensor parallelism, "
-            "e.g. parallelize_module(stage, stage_mesh['tp'], {'mlp.up': ColwiseParallel(), "
-            "'mlp.down': RowwiseParallel()})"
-        )
-    if len(eager) == pipe.num_stages:  # no traced stage: the plan is not needed
-        return TensorParallel(TensorPlan(()), mesh["tp"], mesh, parallelize)
-    if compiled:
-        raise ValueError(
-            "PipelineRunner: torch.compile of tensor-parallel stages is not supported yet; "
-            "leave RunnerOptions.compile off with a 'tp' mesh dimension"
-        )
-    tensor_plan = TensorPlan.for_model(plan, pipe.source)
-    if pipe.source is not None:
-        check_plan(tensor_plan, pipe.source, int(mesh["tp"].size()))
-    return TensorParallel(tensor_plan, mesh["tp"], mesh, parallelize)
 
 
 def check_dtypes(pipe: Pipe, flat: list[Any]) -> None:

@@ -8,9 +8,9 @@ checks in with its neighbours (`checkin.py`: the same call, options and
 batch on every rank of the pipeline, the same call on every data-parallel
 replica), and a failure here is posted to every group this rank talks to,
 so nobody waits out its timeout for a rank that already gave up. The
-collectives outside the transport (data parallelism's and tensor
-parallelism's, torch.distributed's) wait at most `timeout` during a call on
-Gloo, and a raw error of theirs after a posted failure (Gloo's "Connection
+collectives outside the transport (those of the parallelisms inside the
+stages, over the groups their layout names, torch.distributed's) wait at
+most `timeout` during a call on Gloo, and a raw error of theirs after a posted failure (Gloo's "Connection
 closed by peer", a timeout) is reported as that failure. A runner
 whose call failed (here or on a peer) refuses every later call
 (`refuse_if_failed`).
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .. import _C
-from ..parallel.tensor_random import share_generators
+from ..parallel.layout import Layout
 from . import gloo_threads
 from .checkin import Call, check_in
 from .failures import first_line
@@ -49,17 +49,16 @@ PipelineError = _C.runtime.PipelineError
 
 
 class Collective:
-    """The transports of one runner (the pipeline group's, and the
-    data-parallel group's if any) and the state of its collective calls.
-    Not thread-safe: one runner, one thread."""
+    """The transports of one runner (the pipeline group's, and the replicas'
+    group's if any: the layout's `replica_group`) and the state of its
+    collective calls. Not thread-safe: one runner, one thread."""
 
     def __init__(
         self,
         transport: Transport,
         board: FailureBoard | None,
         *,
-        dp_group: dist.ProcessGroup | None,
-        tp_group: dist.ProcessGroup | None = None,
+        layout: Layout,
         own_transport: bool,
         timeout: float,
         device: torch.device,
@@ -74,16 +73,16 @@ class Collective:
         self._board = board
         self._device = device
         self._describe_job = describe_job
-        self.dp_group = dp_group
+        # The parallelisms inside the stages: their groups' collectives wait
+        # for a peer at most `timeout` during a call.
+        self._layout = layout
+        self.replica_group = layout.replica_group
         # The replicas check in over their own group: they must make the
         # same calls (each steps on its own shard).
-        self._dp_transport: Transport | None = None
-        self._dp_board: FailureBoard | None = None
-        if dp_group is not None:
-            self._dp_transport, self._dp_board = c10d_transport(dp_group)
-        # The mesh's "tp" group, whose collectives (DTensor's, inside a
-        # stage) wait for a tp peer at most `timeout` during a call.
-        self._tp_group = tp_group
+        self._replica_transport: Transport | None = None
+        self._replica_board: FailureBoard | None = None
+        if self.replica_group is not None:
+            self._replica_transport, self._replica_board = c10d_transport(self.replica_group)
         # This rank in messages: its pipeline rank, and its global rank where
         # that differs (a mesh).
         self.name = f"rank {self.rank}"
@@ -104,8 +103,8 @@ class Collective:
 
     def _transports(self) -> list[tuple[Transport, FailureBoard | None]]:
         pairs = [(self.transport, self._board)]
-        if self._dp_transport is not None:
-            pairs.append((self._dp_transport, self._dp_board))
+        if self._replica_transport is not None:
+            pairs.append((self._replica_transport, self._replica_board))
         return pairs
 
     @contextlib.contextmanager
@@ -120,16 +119,14 @@ class Collective:
         self.communicated = True
         for t, _ in self._transports():
             t.arm()
-        restore = [self._bound_waits(g) for g in (self._tp_group, self.dp_group) if g is not None]
+        restore = [self._bound_waits(g) for g in self._layout.groups()]
         try:
             was_first = not self.first_done
             self._check_in(Call(self.calls, kind, options, batch))
             hook = self.first_call_hook
             if was_first and hook is not None and kind not in ("init_weights", "load_state_dict"):
                 hook()
-            if self._tp_group is not None and kind in ("step", "eval_step"):
-                # Stages draw random numbers (dropout): tp peers draw alike.
-                share_generators(self._tp_group, self._device)
+            self._layout.on_call(kind, self._device)
             yield
         except BaseException as err:
             self._failed(kind, err)
@@ -141,9 +138,9 @@ class Collective:
                 t.disarm()
 
     def _bound_waits(self, group: dist.ProcessGroup) -> Callable[[], None]:
-        """Gives a tp or dp group's Gloo collectives the runner's timeout for
-        the call (a mesh's groups have torch's default, 30 minutes): a peer
-        that failed and lives on fails a DTensor collective or a gradient
+        """Gives a parallelism's group's Gloo collectives the runner's timeout
+        for the call (a mesh's groups have torch's default, 30 minutes): a
+        peer that failed and lives on fails a DTensor collective or a gradient
         average waiting for it within `timeout`. Returns what restores the
         group's own timeout."""
         if self._device.type != "cpu":
@@ -220,7 +217,7 @@ class Collective:
     def _waited_for_here(self, reason: str) -> bool:
         """Whether a peer's failure `reason` is that it gave up waiting for this rank."""
         names = [f"(?<!global )rank {self.rank}"]
-        if self.dp_group is not None:
+        if self.replica_group is not None:
             names.append(f"global rank {dist.get_rank()}")
         return re.search(f"(?:{'|'.join(names)}) did not answer within", reason) is not None
 
@@ -244,10 +241,10 @@ class Collective:
         gloo_threads.cover()  # loop threads made since (mpmd.tune_cpu)
         job = None if self.first_done else self._describe_job()
         check_in(self.transport, self.timeout, call, self._device, job=job)
-        if self._dp_transport is not None and self.dp_group is not None:
-            group = self.dp_group
+        if self._replica_transport is not None and self.replica_group is not None:
+            group = self.replica_group
             check_in(
-                self._dp_transport,
+                self._replica_transport,
                 self.timeout,
                 call,
                 self._device,
@@ -258,15 +255,17 @@ class Collective:
 
 
 def connect(
-    mesh: DeviceMesh | None, group: dist.ProcessGroup | None, transport: Transport | None
-) -> tuple[Transport, FailureBoard | None, dist.ProcessGroup | None, dist.ProcessGroup | None]:
-    """The runner's transport (the one given, or c10d over the mesh's "pp"
-    group, `group` or the world), the board its ranks post failures on, the
-    process group it runs over (None for a transport of the user's own) and
-    the data-parallel group (the mesh's "dp", if any)."""
-    dp_group = None
+    layout: Layout, group: dist.ProcessGroup | None, transport: Transport | None
+) -> tuple[Transport, FailureBoard | None, dist.ProcessGroup | None]:
+    """The runner's transport (the one given, or c10d over the layout's
+    pipeline group, `group` or the world), the board its ranks post failures
+    on and the process group it runs over (None for a transport of the
+    user's own)."""
+    mesh = layout.mesh
     if mesh is not None:
-        group, dp_group = _mesh_groups(mesh, group, transport)
+        if group is not None or transport is not None:
+            raise ValueError("PipelineRunner: pass mesh, or group / transport, not both")
+        group = layout.pipeline_group
     if transport is not None:
         if group is not None:
             raise ValueError("PipelineRunner: pass group or transport, not both")
@@ -275,7 +274,7 @@ def connect(
                 f"PipelineRunner: transport must be a torchmpmd transport, got "
                 f"{type(transport).__name__}; wrap a process group with group=..."
             )
-        return transport, None, None, None
+        return transport, None, None
     if not dist.is_initialized():
         raise RuntimeError(
             "PipelineRunner: torch.distributed is not initialized; call "
@@ -285,7 +284,7 @@ def connect(
     if group is None:
         raise RuntimeError("PipelineRunner: torch.distributed has no default process group")
     made, board = _mesh_transport(group, mesh) if mesh is not None else c10d_transport(group)
-    return made, board, group, dp_group
+    return made, board, group
 
 
 # How many transports this process made per mesh (by its ranks): every rank
@@ -296,7 +295,7 @@ _mesh_transports_made: dict[str, int] = {}
 def _mesh_transport(
     group: dist.ProcessGroup, mesh: DeviceMesh
 ) -> tuple[C10dTransport, FailureBoard | None]:
-    """A transport over the mesh's "pp" `group` whose failure board is the
+    """A transport over the mesh's pipeline `group` whose failure board is the
     whole mesh's (a key of the world's store that every rank of the mesh
     watches): a failure on one rank ends the waits of every rank of the
     job at once, not only those of its pipeline group, and names it; its tp
@@ -333,26 +332,6 @@ def _same_kind(err: BaseException, message: str) -> PipelineError:
     except TypeError:
         out = PipelineError(message)
     return out if isinstance(out, PipelineError) else PipelineError(message)
-
-
-def _mesh_groups(
-    mesh: DeviceMesh, group: dist.ProcessGroup | None, transport: Transport | None
-) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
-    """The pipeline and data-parallel groups of a ("pp"[, "dp"][, "tp"])
-    DeviceMesh (its "tp" dimension runs inside each stage, over DTensors)."""
-    if group is not None or transport is not None:
-        raise ValueError("PipelineRunner: pass mesh, or group / transport, not both")
-    names = tuple(mesh.mesh_dim_names or ())
-    unknown = [n for n in names if n not in ("pp", "dp", "tp")]
-    if "pp" not in names or unknown:
-        raise ValueError(
-            f"PipelineRunner: the mesh's dimensions are named {names}; name them 'pp' "
-            "(pipeline), 'dp' (data parallel) and 'tp' (tensor parallel), e.g. "
-            "init_device_mesh('cpu', (2, 2, 2), mesh_dim_names=('pp', 'dp', 'tp'))"
-        )
-    pp = mesh.get_group("pp")
-    dp = mesh.get_group("dp") if "dp" in names else None
-    return pp, dp
 
 
 def pick_device(device: torch.device | str | None, transport: Transport) -> torch.device:

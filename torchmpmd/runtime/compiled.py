@@ -14,6 +14,7 @@ shape keeps every program static.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import warnings
@@ -27,10 +28,9 @@ from .. import _C
 from ..graph.pipe import Pipe, TensorSpec
 from ..graph.split import data_dependent
 from ..graph.stage import as_stage
-from ..parallel.tensor import TensorParallel
-from ..parallel.tensor_random import with_random_ops
+from ..parallel.layout import Layout
 from ..schedule.kinds import part_of_backward, recomputes
-from ..schedule.program import Edge, Program, StageCollectives, StageGraph, compile_schedule
+from ..schedule.program import Edge, Program, StageGraph, compile_schedule
 from ..schedule.task import Schedule
 from ..schedule.timeline import Timeline, from_records
 from .microbatch import Microbatcher
@@ -75,9 +75,9 @@ class Options:
     selective_recompute: frozenset[int] = frozenset()
     measure_memory: bool = False
     wrap_stage: StageWrapper | None = None  # RunnerOptions.wrap_stage
-    # The data parallelism's collectives in every stage's training program.
-    collectives: StageCollectives | None = None
-    tensor: TensorParallel | None = None  # the stages' tensor parallelism
+    # The parallelisms inside the stages (their collectives go in every
+    # stage's training program).
+    layout: Layout = dataclasses.field(default_factory=lambda: Layout(None, None, []))
 
 
 class CompiledPipe:
@@ -88,12 +88,13 @@ class CompiledPipe:
         self._options = options
         transport = options.transport
         self.rank: int = transport.rank
-        # Under tensor parallelism the tied weights' gradients are DTensors,
-        # which the executor does not exchange: `parallel.tensor_grads.ShardedGrads`
-        # sums their shards after the schedule instead.
-        graph = pipe if options.tensor is None else untied(pipe, options.tensor)
+        layout = options.layout
+        # A parallelism that sums the tied weights' gradients itself (their
+        # DTensor shards, which the executor does not exchange) takes the
+        # ties out of the program.
+        graph = untied(pipe, layout) if layout.sums_ties else pipe
         self.program: Program = compile_schedule(
-            options.schedule, graph, transport.size, collectives=options.collectives
+            options.schedule, graph, transport.size, collectives=layout.collectives
         )
         full = self._unsplittable(options) if options.split_backward == "auto" else {}
         if full:
@@ -101,7 +102,7 @@ class CompiledPipe:
                 options.schedule.with_full_backward(full),
                 graph,
                 transport.size,
-                collectives=options.collectives,
+                collectives=layout.collectives,
             )
             if self.rank == 0:
                 which = "; ".join(f"stage {s}: {where}" for s, where in sorted(full.items()))
@@ -127,13 +128,10 @@ class CompiledPipe:
         }
         if shared is not None:
             _take_state(pipe, shared, self.local_stages)
-        self.tensor = options.tensor
-        if self.tensor is not None and shared is None:
-            # A model on the meta device: each rank allocates only its
-            # shards (LocalStages allocates what is still meta).
-            meta = {s: pipe.stage(s) for s in self.local_stages}
-            if any(p.is_meta for m in meta.values() for p in m.parameters()):
-                self.tensor.shard(meta, pipe.parameter_aliases, pipe.source)
+        else:
+            # A model on the meta device: each rank allocates only its parts
+            # (LocalStages allocates what is still meta).
+            layout.shard_meta({s: pipe.stage(s) for s in self.local_stages}, pipe)
         self.stages = LocalStages(
             pipe,
             self.local_stages,
@@ -145,24 +143,13 @@ class CompiledPipe:
             selective=set(options.selective_recompute) & set(self.local_stages),
             recomputed={t.stage for t in self.program.tasks(self.rank) if recomputes(t.kind)},
         )
-        tensor = options.tensor
-        if tensor is not None:
-            modules, specs = self.stages.modules, pipe.stage_specs
-            traced = {s: m for s, m in modules.items() if as_stage(m).traced}
-            if shared is None:  # the others take its (sharded) parameters
-                tensor.shard(traced, pipe.parameter_aliases, pipe.source)
-                tensor.apply_parallelize(modules)
+        modules, specs = self.stages.modules, pipe.stage_specs
+        if shared is None:  # the others take its (sharded) parameters
+            layout.shard(modules, pipe)
+        if layout.members:
             transfers = {t.value: t.spec for t in pipe.transfers}
-            # A stage cut by hand runs the user's tensor parallelism as it is
-            # (its random ops drawn as a traced stage's are: tensor_random).
             self.stages.wrap_forwards(
-                lambda s, call: tensor.wrap(
-                    tensor.rewrite(modules[s], specs[s], transfers)
-                    if s in traced
-                    else with_random_ops(call),
-                    specs[s],
-                    transfers,
-                )
+                lambda s, call: layout.wrap_forward(modules[s], call, specs[s], transfers)
             )
         if options.wrap_stage is not None:
             self.stages.wrap_forwards(functools.partial(options.wrap_stage, self.rank))
@@ -216,10 +203,9 @@ class CompiledPipe:
         }
 
     def _shape(self, spec: TensorSpec) -> list[int]:
-        """The shape of a transfer's messages: under tensor parallelism, this
-        tp rank's part of the value."""
-        tensor = self._options.tensor
-        return list(spec.shape) if tensor is None else tensor.local_shape(spec)
+        """The shape of a transfer's messages: this rank's part of the value
+        (a parallelism's, e.g. a sequence shard)."""
+        return self._options.layout.transfer_shape(spec)
 
     def eval_executor(self) -> _C.runtime.Executor:
         """The forward-only executor (the schedule's F tasks), made on first use."""
@@ -246,9 +232,9 @@ class CompiledPipe:
 
     def _unsplittable(self, options: Options) -> dict[int, str]:
         """Stages the schedule splits (I/W on any rank) that cannot be split:
-        traced stages computing data-dependent shapes (an eager or
-        tensor-parallel stage splits through autograd, which can)."""
-        if options.tensor is not None:
+        traced stages computing data-dependent shapes (an eager stage, or
+        one a parallelism rewrites, splits through autograd, which can)."""
+        if options.layout.rewrites_stages:
             return {}
         with_iw = {
             t.stage
@@ -318,7 +304,7 @@ class CompiledPipe:
             stages=stages,
             values=values,
             transport=options.transport,
-            tied=dict(self.tied_parameters) if training and options.tensor is None else {},
+            tied=dict(self.tied_parameters) if training and not options.layout.sums_ties else {},
             timeout_s=options.timeout,
             max_early_recvs=options.max_early_recvs,
             training=training,
@@ -327,9 +313,9 @@ class CompiledPipe:
         )
 
 
-def untied(pipe: Pipe, tensor: TensorParallel) -> StageGraph:
+def untied(pipe: Pipe, layout: Layout) -> StageGraph:
     """`pipe`'s stages and transfers without its tied groups, each transfer
-    with the bytes one tp rank sends (`TensorParallel.boundary`), which the
+    with the bytes this rank sends (`Layout.transfer_shape`), which the
     simulator charges."""
     specs = {t.value: t.spec for t in pipe.transfers}
 
@@ -337,7 +323,7 @@ def untied(pipe: Pipe, tensor: TensorParallel) -> StageGraph:
         spec = specs.get(value)
         if spec is None:
             return whole
-        return math.prod(tensor.local_shape(spec)) * spec.dtype.itemsize
+        return math.prod(layout.transfer_shape(spec)) * spec.dtype.itemsize
 
     edges = tuple(
         Edge(e.value, e.src, e.dst, nbytes(e.value, e.bytes), e.requires_grad)

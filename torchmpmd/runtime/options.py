@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..parallel.fsdp import Parallelize
+from ..parallel.protocol import Parallelize
 
 __all__ = ["RunnerOptions"]
 

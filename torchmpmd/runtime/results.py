@@ -37,11 +37,11 @@ def share_losses(
     src: int,
     losses: list[torch.Tensor | None],
     device: torch.device,
-    dp_group: dist.ProcessGroup | None,
+    replicas: dist.ProcessGroup | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's per-microbatch losses from the last stage's rank `src`, on
-    every rank, and their mean (over every data-parallel shard's too: the
-    global batch's loss)."""
+    every rank, and their mean (over every data-parallel shard's too, the
+    `replicas` group's: the global batch's loss)."""
     # float64 holds a float32 or float64 loss exactly.
     if collective.rank == src:
         per_mb = torch.stack([done(loss).double() for loss in losses]).to(device)
@@ -49,9 +49,9 @@ def share_losses(
         per_mb = torch.empty(len(losses), dtype=torch.float64, device=device)
     broadcast(collective.transport, per_mb, src, collective.timeout, "the step's losses")
     loss = per_mb.mean()
-    if dp_group is not None:
-        dist.all_reduce(loss, group=dp_group)
-        loss /= dist.get_world_size(dp_group)
+    if replicas is not None:
+        dist.all_reduce(loss, group=replicas)
+        loss /= dist.get_world_size(replicas)
     return loss, per_mb
 
 

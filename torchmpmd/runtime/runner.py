@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..graph.pipe import Pipe
-from ..parallel import collectives, wrap
+from ..parallel import Asked, Layout, RankStages
 from ..schedule.program import Program
 from ..schedule.task import Schedule
 from ..schedule.timeline import Timeline
@@ -22,11 +22,9 @@ from .checks import (
     check_mergeable,
     check_options,
     check_schedule,
-    data_parallel_mode,
     recompute_policy,
     refuse_autocast,
     require_pipe,
-    tensor_parallelism,
 )
 from .collective import Collective, connect, pick_device
 from .compiled import CompiledPipe, Options
@@ -62,8 +60,10 @@ class PipelineRunner:
     between steps: a new microbatch shape is traced once more from the
     model, on every rank alike (`num_traces` counts them).
 
-    The ranks talk over `mesh` (a DeviceMesh with a "pp" and optionally "dp"
-    and "tp" dimensions), `group` (default: the world) or any `transport`
+    The ranks talk over `mesh` (a DeviceMesh with a "pp" dimension and
+    optionally those of the parallelisms inside each stage: "dp", or
+    torchtitan's "dp_replicate" / "dp_shard", and "tp"; `parallel.layout`),
+    `group` (default: the world) or any `transport`
     (`torchmpmd.runtime.transport`, e.g. `torchmpmd.testing`'s in-process
     one). `options` (`mpmd.RunnerOptions`) holds the tuning knobs: timeout,
     recompute, data and tensor parallelism, split backward, compile, memory
@@ -90,9 +90,13 @@ class PipelineRunner:
         opts = resolve(options, deprecated)
         check_schedule(schedule, opts.recompute, pipe.num_stages)
         timeout = check_options(opts.timeout, opts.compile, opts.max_early_recvs)
-        mode = data_parallel_mode(opts.data_parallel, opts.parallelize, mesh)
-        tensor = tensor_parallelism(mesh, opts.tp_plan, pipe, opts.compile, opts.parallelize)
-        link, board, group, dp_group = connect(mesh, group, transport)
+        # The mesh, read once: the pipeline's group and the parallelisms
+        # inside each stage, driven below as one (parallel/protocol.py).
+        asked = Asked(
+            opts.data_parallel, opts.parallelize, opts.tp_plan, opts.compile, opts.bucket_bytes
+        )
+        layout = Layout.read(mesh, asked, pipe)
+        link, board, group = connect(layout, group, transport)
         full, selective = recompute_policy(opts.recompute, pipe.num_stages)
         if full:
             schedule = schedule.with_recompute(full)
@@ -120,8 +124,7 @@ class PipelineRunner:
             selective_recompute=selective,
             measure_memory=bool(opts.measure_memory),
             wrap_stage=opts.wrap_stage,
-            collectives=None if mode is None or dp_group is None else collectives(mode),
-            tensor=tensor,
+            layout=layout,
         )
         first = CompiledPipe(pipe, self._options, shared=None)
         self._first = first
@@ -129,34 +132,29 @@ class PipelineRunner:
         self.rank: int = link.rank
         self.num_ranks: int = link.size
         self.local_stages = first.local_stages
-        self.dp_size = 1 if dp_group is None else dist.get_world_size(dp_group)
+        replicas = layout.replica_group
+        self.dp_size = 1 if replicas is None else dist.get_world_size(replicas)
+        self._layout = layout
         self._collective = Collective(
             link,
             board,
-            dp_group=dp_group,
-            tp_group=tensor.mesh.get_group() if tensor is not None else None,
+            layout=layout,
             own_transport=transport is not None,
             timeout=timeout,
             device=self.device,
             describe_job=lambda: describe(pipe, self.program, __version__),
         )
-        self._weights = Weights(pipe, first, self._collective, dp_group, opts.bucket_bytes)
-        self._weights.start_replicas()
+        self._weights = Weights(pipe, first, self._collective, layout)
+        self._weights.start_equal()
         self._collective.first_call_hook = self._weights.first_call
         modules = {s: first.stages.modules[s] for s in first.local_stages}
-        self._grads = tensor.gradients(modules, self._weights.tie_holders()) if tensor else None
-        self._dp = wrap(
-            mode,
-            mesh,
-            dp_group,
-            {s: first.stages.modules[s] for s in first.local_stages},
-            first.tied_parameters.values(),
-            opts.parallelize if tensor is None else None,  # else called with the tp sharding
-            opts.bucket_bytes,
+        ties = self._weights.tie_holders()
+        layout.attach(
+            RankStages(modules, list(first.tied_parameters.values()), ties, opts.bucket_bytes)
         )
-        if mode == "fsdp":  # the shards were cut from allocated garbage: still unwritten
-            first.stages.allocation.follow(first.stages.modules)
-        self._batches = Batches(pipe, first, self._options, self._dp)
+        # Shards cut from allocated garbage (FSDP's) are still unwritten.
+        first.stages.allocation.follow(first.stages.modules)
+        self._batches = Batches(pipe, first, self._options, layout)
         self.timeline: Timeline | None = None
 
     def _batch(
@@ -180,10 +178,10 @@ class PipelineRunner:
         """
         batch = self._batch(args, kwargs, target, "step")
         with self._collective.call("step", batch=batch.fingerprint):
-            compiled, dp, grads = batch.per_mb[0], self._dp, self._grads
-            reduce = None if dp is None else dp.reduce_grads
+            compiled, layout = batch.per_mb[0], self._layout
+            wanted = layout.collectives
             step = Step(inputs=batch.inputs, targets=batch.targets)
-            batch.prepare(step, dp, self.local_stages)
+            batch.prepare(step, layout, self.local_stages)
             fns = Training([c.stages for c in batch.per_mb], step)
             with original_errors(step, GRADS_NOTE):
                 compiled.executor.run(
@@ -191,19 +189,20 @@ class PipelineRunner:
                     fns.input_grad,
                     fns.weight_grad,
                     shapes=batch.shapes,
-                    stage_done=reduce if grads is None or reduce is None else grads.before(reduce),
-                    unshard=None if dp is None else dp.unshard,
+                    stage_done=layout.reduce_grads if wanted and wanted.reduce_grads else None,
+                    unshard=layout.unshard if wanted and wanted.unshard else None,
                     # Ranks as threads replay a recompute's random numbers
                     # from their own CPU generator (rank_rng.py).
                     replay_rng=not (rank_rng.in_rank_thread() and self.device.type == "cpu"),
                 )
-            if grads is not None:
-                grads.finish(self._first.tied_parameters)
-            if dp is not None:
-                dp.finish()
+            layout.finish(self._first.tied_parameters)
             self.timeline = compiled.measured_timeline(self.num_ranks)
             loss, losses = results.share_losses(
-                self._collective, compiled.loss_rank, step.losses, self.device, self.dp_group
+                self._collective,
+                compiled.loss_rank,
+                step.losses,
+                self.device,
+                layout.replica_group,
             )
         return StepOutput(loss=loss, losses=losses)
 
@@ -218,8 +217,7 @@ class PipelineRunner:
             evaluation = Evaluation([c.stages for c in batch.per_mb], step)
             with original_errors(step):
                 batch.per_mb[0].eval_executor().run(evaluation.forward, shapes=batch.shapes)
-            if self._dp is not None:
-                self._dp.after_eval()
+            self._layout.after_eval()
             pipe = batch.per_mb[0].pipe
             flat = results.share_outputs(
                 self._collective,
@@ -332,8 +330,10 @@ class PipelineRunner:
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
-        """The data-parallel process group (the mesh's "dp"), if any."""
-        return self._collective.dp_group
+        """The data-parallel process group (its replicas each run their own
+        part of the batch: the mesh's "dp", or "dp_replicate" and "dp_shard"
+        together), if any."""
+        return self._layout.replica_group
 
     @property
     def communicated(self) -> bool:

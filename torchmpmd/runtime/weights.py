@@ -4,9 +4,11 @@ that hold it; data-parallel replicas).
 
 `init_weights` and `load_state_dict` are collectives: afterwards the rank
 holding a tie's first stage sends its copy to the tie's other holders, and
-dp rank 0 broadcasts every replicated tensor to its replicas (also at the
-runner's construction, as DDP does, and the ties at its first call, for a
-real model built apart on each rank).
+each parallelism inside the stages makes its peers' copies equal (data
+parallelism: the first replica's to the others, also at the runner's
+construction, as DDP does; tensor parallelism: tp rank 0's replicated
+tensors), and the ties at its first call, for a real model built apart on
+each rank.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..graph.pipe import Pipe, unique_named_parameters
-from ..parallel.replicate import broadcast_from_first
+from ..parallel.layout import Layout
 from . import rank_rng
 from .collective import Collective
 from .compiled import CompiledPipe
@@ -41,19 +43,16 @@ class Weights:
         pipe: Pipe,
         first: CompiledPipe,
         collective: Collective,
-        dp_group: dist.ProcessGroup | None,
-        bucket_bytes: int,
+        layout: Layout,
     ) -> None:
         self._pipe = pipe
         self._first = first
         self._collective = collective
-        self._dp_group = dp_group
-        self._bucket_bytes = bucket_bytes
+        self._layout = layout
+        # Whether a parallelism has peers whose copies init / load make equal.
+        self._peers = any(dist.get_world_size(g) > 1 for g in layout.groups())
         self.rank = first.rank
         self.local_stages = first.local_stages
-        # Tensor parallelism: the tp peers' replicated tensors start equal.
-        tp = first.tensor
-        self._tp_group = tp.mesh.get_group() if tp is not None and tp.size > 1 else None
 
     @property
     def _modules(self) -> list[torch.nn.Module]:
@@ -74,14 +73,13 @@ class Weights:
                     out.append(t)
         return out
 
-    def start_replicas(self) -> None:
-        """Replicas start from dp rank 0's weights, as DDP's do (before FSDP
-        shards them); tensors allocated for a meta model get theirs at
-        init_weights / load_state_dict."""
-        if self._dp_group is not None:
-            allocation = self._first.stages.allocation
-            real = [t for t in self.local_state() if not allocation.allocated(t)]
-            broadcast_from_first(self._dp_group, real, self._bucket_bytes)
+    def start_equal(self) -> None:
+        """The parallelisms' peers start alike (replicas from the first's
+        weights, as DDP's do, before FSDP shards them); tensors allocated for
+        a meta model get theirs at init_weights / load_state_dict."""
+        allocation = self._first.stages.allocation
+        real = [t for t in self.local_state() if not allocation.allocated(t)]
+        self._layout.start_equal(real)
 
     def counted_parameters(self) -> list[torch.nn.Parameter]:
         """This rank's parameters that a global reduction counts: each once,
@@ -169,43 +167,22 @@ class Weights:
         self.sync("load_state_dict")
 
     def sync(self, call: str) -> None:
-        """Makes the copies of each tied weight equal, then the replicas:
-        the rank holding a tie's first stage (its owner, as
-        `counted_parameters` counts it) sends its copy to every other rank
-        holding one; then dp rank 0 broadcasts this rank's parameters and
-        buffers to its replicas. Collective whenever a tie spans ranks or
-        there are replicas (the same on every rank), so every rank checks in.
+        """Makes the copies of each tied weight equal, then each
+        parallelism's peers': the rank holding a tie's first stage (its
+        owner, as `counted_parameters` counts it) sends its copy to every
+        other rank holding one; then each parallelism makes the copies its
+        peers hold alike (`make_equal`: tensor parallelism tp rank 0's
+        replicated tensors, data parallelism the first replica's unsharded
+        ones). Collective whenever a tie spans ranks or a parallelism has
+        peers (the same on every rank), so every rank checks in.
         """
-        if not self._ties_across_ranks() and self._dp_group is None and self._tp_group is None:
+        if not self._ties_across_ranks() and not self._peers:
             return
         with self._collective.call(call), torch.no_grad():
-            if self._tp_group is not None:
-                # An init drawn on each tp rank (its own generator) must
-                # leave the replicated tensors (norms, biases) alike.
-                with self._first.stages.allocation.copies_only():
-                    broadcast_from_first(
-                        self._tp_group, self._replicated_over_tp(), self._bucket_bytes
-                    )
             self.send_ties()
-            if self._dp_group is not None:
-                # FSDP shards have one holder each: nothing to make equal.
-                tensors = [t for t in self.local_state() if not isinstance(t, DTensor)]
-                # A tensor dp rank 0 left unwritten is garbage on every replica alike.
-                with self._first.stages.allocation.copies_only():
-                    broadcast_from_first(self._dp_group, tensors, self._bucket_bytes)
-
-    def _replicated_over_tp(self) -> list[torch.Tensor]:
-        """The local tensors every tp peer holds whole: plain ones (buffers)
-        and DTensors replicated over "tp" (their local part, FSDP's shard
-        over dp included)."""
-        out = []
-        for t in self.local_state():
-            if isinstance(t, DTensor):
-                names = t.device_mesh.mesh_dim_names or ()
-                if "tp" in names and not t.placements[names.index("tp")].is_replicate():
-                    continue
-            out.append(t)
-        return out
+            # A tensor the first peer left unwritten is garbage on every peer alike.
+            with self._first.stages.allocation.copies_only():
+                self._layout.make_equal(self.local_state())
 
     def tie_holders(self) -> list[tuple[int, list[int]]]:
         """(node, holder ranks) of each tie whose copies live on more than
@@ -239,7 +216,7 @@ class Weights:
             param = self._first.tied_parameters[self._pipe.plan.tied[i].node]
             tag = _TIED_TAG + i
             what = f"the tied weight '{names.get(id(param), '?')}'"
-            # Under tensor parallelism each tp rank's copy is its shard.
+            # A parallelism's DTensor: each rank's copy is its shard.
             local = param.detach()
             local = local.to_local() if isinstance(local, DTensor) else local
             if self.rank == owner:
