@@ -174,3 +174,53 @@ def replicas_start_equal(rank: int, world: int, modes: list[str]) -> list[str]:
 def test_replicas_and_tied_copies_start_equal():
     results = check_all(run_ranks(replicas_start_equal, PP * DP, ["replicate", "fsdp"]))
     assert results == [["replicate", "fsdp"]] * (PP * DP)
+
+
+class _Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict({"up": nn.Linear(8, 16), "down": nn.Linear(16, 8)}) for _ in range(2)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block["down"](torch.tanh(block["up"](x)))
+        return x
+
+
+def tensor_parallel_replicas_start_equal(rank: int, world: int) -> list[str]:
+    """1 (pp) x 2 (dp) x 2 (tp): a meta model initialised per rank (each its
+    own seed) ends with both replicas holding the same tp shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    with torch.device("meta"):
+        model = _Mlp().double()
+    pipe = mpmd.trace(model, (torch.empty(2, 8, device="meta"),), split_before=["blocks.1.up"])
+    runner = mpmd.PipelineRunner(
+        pipe,
+        mpmd.schedules.GPipe(M),
+        mesh=mesh,
+        loss_fn=lambda out, y: ((out - y) ** 2).mean(),
+        options=mpmd.RunnerOptions(
+            timeout=60, tp_plan={"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
+        ),
+    )
+    torch.manual_seed(100 + rank)
+    runner.init_weights(_init)
+    local = {n: p.to_local().clone() for n, p in runner.named_parameters()}
+    everyone = _everyone(local)
+    tp = mesh.get_local_rank("tp")
+    other = everyone[2 + tp] if mesh.get_local_rank("dp") == 0 else everyone[tp]
+    differ = [n for n, t in local.items() if not torch.equal(t, other[n])]
+    assert not differ, f"rank {rank}: replicas hold other shards of {differ}"
+    # The tp peers' shards of a sharded weight are parts of one init, not copies.
+    peer = everyone[rank ^ 1]
+    assert not torch.equal(local["blocks.0.up.weight"], peer["blocks.0.up.weight"])
+    return sorted(local)
+
+
+def test_tensor_parallel_replicas_start_equal_after_init_weights():
+    results = check_all(run_ranks(tensor_parallel_replicas_start_equal, 4))
+    assert all("blocks.0.up.weight" in r for r in results), results
