@@ -60,19 +60,17 @@ def compiled(rank, world):
         )
         for p in runner.parameters():
             p.grad = None
+        # Dynamo's own count of the graphs it compiled (no runner internals).
+        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         out = runner.step(batch, target=target)
         check(name, out.loss, runner, m, compiled=True)
         assert not any("_orig_mod" in k for k in runner.state_dict()), "compiled names leak"
-        fn = (
-            runner._stages.split_graphs[rank]._forward
-            if runner._stages.split
-            else runner._stages._calls[rank]
-        )
-        kinds.append(type(fn).__name__)
+        kinds.append(torch._dynamo.utils.counters["stats"]["unique_graphs"] - before)
     return kinds
 
 
 def test_torch_compile_with_zero_bubble_and_1f1b():
-    # ZB-H1 compiles the split F/I/W graphs; 1F1B compiles each stage module.
-    for kinds in check_all(run_ranks(compiled, 2, deadline=600)):
-        assert all(k != "GraphModule" for k in kinds), kinds
+    # ZB-H1 compiles the split F/I/W graphs; 1F1B compiles each stage module:
+    # each step compiled graphs of its own on every rank.
+    for compiled_graphs in check_all(run_ranks(compiled, 2, deadline=600)):
+        assert all(n > 0 for n in compiled_graphs), compiled_graphs

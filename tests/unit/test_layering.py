@@ -207,3 +207,30 @@ def test_the_parallelism_check_finds_one(tmp_path):
         "line 3: 'dp'",
         "line 4: tp_group",
     ]
+
+
+def _stage_kind_branches(path):
+    """Where the source at `path` asks which kind of stage it holds (`.traced`,
+    `isinstance(..., GraphModule)`) instead of what it uses of the stage."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr == "traced":
+            found.append(f"line {node.lineno}: .traced")
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "isinstance"
+            and len(node.args) == 2
+            and "GraphModule" in ast.unparse(node.args[1])
+        ):
+            found.append(f"line {node.lineno}: isinstance(..., GraphModule)")
+    return found
+
+
+def test_no_branch_on_the_kind_of_stage_outside_graph():
+    found = {
+        str(path.relative_to(ROOT)): names
+        for path in sorted(ROOT.rglob("*.py"))
+        if path.relative_to(ROOT).parts[0] != "graph" and (names := _stage_kind_branches(path))
+    }
+    assert found == {}

@@ -81,6 +81,14 @@ class EagerStage(torch.nn.Module):
     # ---- the Stage interface (graph/stage.py)
 
     @property
+    def graph_module(self) -> None:
+        return None  # runs as it is; splits through autograd
+
+    @property
+    def user_module(self) -> torch.nn.Module:
+        return self.module
+
+    @property
     def state_root(self) -> torch.nn.Module:
         return self.module
 

@@ -347,10 +347,11 @@ def split_joint(
     )
 
 
-def data_dependent(module: torch.nn.Module) -> str | None:
-    """Where a traced stage computes a tensor whose shape depends on the data
-    (`aten.nonzero` in module 'layers.1.moe'), or None: such a stage cannot
-    be split into I/W graphs traced for one microbatch's shapes."""
+def data_dependent(module: torch.nn.Module | None) -> str | None:
+    """Where a stage's graph computes a tensor whose shape depends on the data
+    (`aten.nonzero` in module 'layers.1.moe'), or None (None too for a stage
+    without a graph): such a stage cannot be split into I/W graphs traced for
+    one microbatch's shapes."""
     if not isinstance(module, fx.GraphModule):
         return None
     for n in module.graph.nodes:

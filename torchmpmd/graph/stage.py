@@ -3,8 +3,10 @@
 `TracedStage` is a stage `mpmd.trace` cut from the model's graph (a
 `torch.fx.GraphModule` whose parameters and buffers sit under the model's
 names); `EagerStage` (`graph/eager.py`) is a module the user cut by hand
-(`mpmd.from_stages`), run as it is. The runtime, the checkpoint and the
-fingerprint see both through `Stage`, never by asking which one it is.
+(`mpmd.from_stages`), run as it is. The runtime, the parallelisms, the
+checkpoint and the fingerprint see both through `Stage`: they ask it for
+what they use (its graph, if it has one; the user's own modules, if it
+holds them), never which kind it is.
 """
 
 from __future__ import annotations
@@ -20,9 +22,23 @@ __all__ = ["Stage", "TracedStage", "as_stage"]
 class Stage(Protocol):
     """What the runtime, the checkpoint and the fingerprint read of a stage."""
 
-    # Whether the stage is a graph (split backward cuts it into F/I/W graphs;
-    # an eager stage splits through autograd instead).
+    # Whether the stage is a graph (graph/ only; elsewhere ask for what is
+    # used: `graph_module`, `user_module`).
     traced: bool
+
+    @property
+    def graph_module(self) -> fx.GraphModule | None:
+        """The stage's graph: what a split backward cuts into F/I/W graphs
+        and a parallelism may rewrite (None: the stage runs as it is, and
+        splits through autograd)."""
+        ...
+
+    @property
+    def user_module(self) -> torch.nn.Module | None:
+        """The user's own module the stage runs (one cut by hand), whose
+        submodules an init finds beside the model's; None for a stage cut
+        from the model's graph."""
+        ...
 
     @property
     def state_root(self) -> torch.nn.Module:
@@ -60,6 +76,14 @@ class TracedStage(fx.GraphModule):
     `stage(*user_inputs, *received) -> tuple(outputs)`."""
 
     traced = True
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        return self
+
+    @property
+    def user_module(self) -> None:
+        return None
 
     @property
     def state_root(self) -> torch.nn.Module:

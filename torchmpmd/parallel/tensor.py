@@ -163,8 +163,8 @@ class TensorParallel(Parallelism):
 
     def shard(self, stages: Mapping[int, torch.nn.Module], pipe: Pipe) -> None:
         """The plan shards the traced stages; the user's `parallelize` any."""
-        traced = {s: m for s, m in stages.items() if as_stage(m).traced}
-        self.place_parameters(traced, pipe.parameter_aliases, pipe.source)
+        graphs = {s: m for s, m in stages.items() if as_stage(m).graph_module is not None}
+        self.place_parameters(graphs, pipe.parameter_aliases, pipe.source)
         self.apply_parallelize(stages)
 
     def wrap_forward(
@@ -177,10 +177,9 @@ class TensorParallel(Parallelism):
         """A traced stage runs its rewrite on DTensors; a stage cut by hand
         runs the user's tensor parallelism as it is (its random ops drawn as
         a traced stage's are: tensor_random)."""
+        graph = as_stage(stage).graph_module
         inner: Callable[..., Any] = (
-            self.rewrite(stage, spec, transfers)
-            if as_stage(stage).traced
-            else with_random_ops(call)
+            self.rewrite(graph, spec, transfers) if graph is not None else with_random_ops(call)
         )
         return self.wrap(inner, spec, transfers)
 
@@ -220,7 +219,7 @@ class TensorParallel(Parallelism):
             return
         for _, module in sorted(stages.items()):
             stage = as_stage(module)
-            self.parallelize(module if stage.traced else stage.state_root, self.stage_mesh)
+            self.parallelize(stage.state_root, self.stage_mesh)
             stage.refresh_state()
 
     def place_parameters(
@@ -290,7 +289,7 @@ class TensorParallel(Parallelism):
 
     def rewrite(
         self,
-        module: torch.nn.Module,
+        module: fx.GraphModule,
         spec: StageSpec | None = None,
         transfers: Mapping[int, TensorSpec] | None = None,
     ) -> fx.GraphModule:
@@ -317,7 +316,6 @@ class TensorParallel(Parallelism):
           modules (norms) take sequence shards, column-parallel layers the
           whole sequence, an all-gather).
         """
-        assert isinstance(module, fx.GraphModule), "tensor parallelism runs traced stages"
         graph = copy.deepcopy(module.graph)
         sequence = self.plan.sequence_parallel
         received = self._received(graph, spec, transfers or {})
@@ -538,7 +536,7 @@ def _claim(names: tuple[str, ...] | None, left: tuple[str, ...], asked: Asked) -
 def _make(mesh: DeviceMesh, dims: tuple[str, ...], pipe: Pipe, asked: Asked) -> TensorParallel:
     """The stages' tensor parallelism over the mesh's "tp" dimension,
     checked before anything is compiled or exchanged."""
-    eager = [s for s in range(pipe.num_stages) if not as_stage(pipe.stage(s)).traced]
+    eager = [s for s in range(pipe.num_stages) if as_stage(pipe.stage(s)).graph_module is None]
     if eager and asked.parallelize is None:
         raise ValueError(
             f"PipelineRunner: stages {eager} were cut by hand (mpmd.from_stages), which a "

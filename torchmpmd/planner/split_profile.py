@@ -27,6 +27,7 @@ import torch.utils.checkpoint
 
 from ..graph.pipe import Pipe, StageSpec
 from ..graph.split import SplitStage, selective_recompute_context
+from ..graph.stage import as_stage
 
 __all__: list[str] = []
 
@@ -69,12 +70,13 @@ def stage_times(
     out: list[tuple[float, float, float, float, int]] = []
     last = pipe.num_stages - 1
     for k, spec in enumerate(pipe.stage_specs):
-        gm = pipe.stage(k)
+        stage = pipe.stage(k)
         values = [env[n] for n in spec.input_names]
         with torch.no_grad():
-            outputs = gm(*values)
+            outputs = stage(*values)
         env.update(zip(spec.output_names, outputs, strict=True))
-        if not isinstance(gm, torch.fx.GraphModule):
+        gm = as_stage(stage).graph_module
+        if gm is None:  # no graph to cut into I / W
             return None
         received = dict(
             zip(range(spec.num_user_inputs, len(values)), spec.recv_values, strict=True)

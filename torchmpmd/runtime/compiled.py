@@ -142,6 +142,7 @@ class CompiledPipe:
             compile_options=options.compile_options,
             selective=set(options.selective_recompute) & set(self.local_stages),
             recomputed={t.stage for t in self.program.tasks(self.rank) if recomputes(t.kind)},
+            split_by_autograd=layout.rewrites_stages,
         )
         modules, specs = self.stages.modules, pipe.stage_specs
         if shared is None:  # the others take its (sharded) parameters
@@ -245,7 +246,7 @@ class CompiledPipe:
         found = {}
         for s in sorted(with_iw):
             module = self.pipe.stage(s)
-            where = data_dependent(module) if as_stage(module).traced else None
+            where = data_dependent(as_stage(module).graph_module)
             if where is not None:
                 found[s] = where
         return found

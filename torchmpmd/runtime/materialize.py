@@ -186,7 +186,7 @@ def init_weights(
     held = {id(t) for t in local.values()}
     roots = [source] if source is not None else []
     # Stages cut by hand hold the user's own modules, not the model's.
-    roots += [stage.state_root for m in modules.values() if not (stage := as_stage(m)).traced]
+    roots += [own for m in modules.values() if (own := as_stage(m).user_module) is not None]
     # The model's own tensors by object (an init that assigns one of them in
     # place of another makes a tie the trace did not see).
     model_names = {

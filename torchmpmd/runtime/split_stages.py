@@ -1,9 +1,14 @@
-"""Split stages on a rank: tracing each stage (with its loss) into F/I/W graphs.
+"""Split stages on a rank: each stage whose backward runs as input- and
+weight-gradient tasks (I/W) is a `Split`, one interface whatever the stage:
+a stage with a graph is traced (with its loss) into F/I/W graphs
+(`GraphSplit`, over `graph.split.SplitStage`); a stage without one (cut by
+hand), or one a parallelism rewrites (its stage runs on DTensors), splits
+through autograd (`AutogradStageSplit`, over `autograd_split.AutogradSplit`).
 
-The cut itself is `graph.split`; this module gives it the function to trace:
-the stage's forward over (parameters, buffers, tensor inputs), followed on
-the last stage by the loss, with non-tensor inputs and target leaves baked in
-from the microbatch it is traced with.
+The graph cut itself is `graph.split`; this module gives it the function to
+trace: the stage's forward over (parameters, buffers, tensor inputs),
+followed on the last stage by the loss, with non-tensor inputs and target
+leaves baked in from the microbatch it is traced with.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ class StageHost(Protocol):
     modules: dict[int, torch.nn.Module]
     selective: set[int]  # stages under selective recompute
     compile_options: dict[str, Any] | None
+    # Every split stage splits through autograd (a parallelism rewrites them).
+    split_by_autograd: bool
 
     def user_inputs(self, step: Any, stage: int, mb: int) -> list[Any]: ...
 
@@ -51,7 +58,110 @@ class StageHost(Protocol):
     ) -> tuple[list[torch.Tensor], torch.Tensor | None]: ...
 
 
-def autograd_forward(
+class Split(Protocol):
+    """One split stage's F / I / W, as the executor's callables run them."""
+
+    def reset(self) -> None:
+        """Forgets what a failed step left."""
+
+    def forward(
+        self,
+        stages: StageHost,
+        step: StepTargets,
+        stage: int,
+        mb: int,
+        received: list[torch.Tensor],
+    ) -> list[torch.Tensor]:
+        """F: sends (on the last stage loss / m, then the loss), then what I
+        and W need."""
+        ...
+
+    def input_grad(
+        self,
+        stages: StageHost,
+        stage: int,
+        mb: int,
+        saved: list[torch.Tensor],
+        grads: list[torch.Tensor | None],
+    ) -> list[torch.Tensor]:
+        """I: the inputs' gradients, then what W needs."""
+        ...
+
+    def weight_grad(self, mb: int, saved: list[torch.Tensor]) -> None:
+        """W: accumulates the parameters' gradients."""
+
+
+class GraphSplit:
+    """A stage's F / I / W graphs (`graph.split.SplitStage`)."""
+
+    def __init__(self, graphs: SplitStage) -> None:
+        self.graphs = graphs
+
+    def reset(self) -> None:
+        """Nothing: the graphs keep no state between tasks."""
+
+    def forward(
+        self,
+        stages: StageHost,
+        step: StepTargets,
+        stage: int,
+        mb: int,
+        received: list[torch.Tensor],
+    ) -> list[torch.Tensor]:
+        return self.graphs.forward(split_inputs(stages, step, stage, mb, received))
+
+    def input_grad(
+        self,
+        stages: StageHost,
+        stage: int,
+        mb: int,
+        saved: list[torch.Tensor],
+        grads: list[torch.Tensor | None],
+    ) -> list[torch.Tensor]:
+        input_grads, for_w = self.graphs.input_grad(saved, grads)
+        return [*input_grads, *for_w]
+
+    def weight_grad(self, mb: int, saved: list[torch.Tensor]) -> None:
+        self.graphs.weight_grad(saved)
+
+
+class AutogradStageSplit:
+    """A stage split through autograd (`autograd_split.AutogradSplit`): F
+    keeps the autograd graph per microbatch, I and W walk its two parts."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.graphs = AutogradSplit(params)
+
+    def reset(self) -> None:
+        self.graphs.reset()
+
+    def forward(
+        self,
+        stages: StageHost,
+        step: StepTargets,
+        stage: int,
+        mb: int,
+        received: list[torch.Tensor],
+    ) -> list[torch.Tensor]:
+        return _autograd_forward(self.graphs, stages, step, stage, mb, received)
+
+    def input_grad(
+        self,
+        stages: StageHost,
+        stage: int,
+        mb: int,
+        saved: list[torch.Tensor],
+        grads: list[torch.Tensor | None],
+    ) -> list[torch.Tensor]:
+        if stage == stages.last:  # the loss / m's own gradient
+            grads = [*grads, torch.ones((), device=stages.device)]
+        return self.graphs.input_grad(mb, list(grads))
+
+    def weight_grad(self, mb: int, saved: list[torch.Tensor]) -> None:
+        self.graphs.weight_grad(mb)
+
+
+def _autograd_forward(
     split: AutogradSplit,
     stages: StageHost,
     step: StepTargets,
@@ -59,8 +169,8 @@ def autograd_forward(
     mb: int,
     received: list[torch.Tensor],
 ) -> list[torch.Tensor]:
-    """F of an eager split stage: sends (and on the last stage loss / m,
-    then the loss), with the autograd graph kept for I and W."""
+    """F of a stage split through autograd: sends (and on the last stage
+    loss / m, then the loss), with the autograd graph kept for I and W."""
     spec = stages.pipe.stage_specs[stage]
     grad_values = {t.value for t in stages.pipe.transfers if t.requires_grad}
     leaves = [
@@ -93,19 +203,17 @@ def split_inputs(
     return xs
 
 
-def build_split_stage(
-    stages: StageHost, stage: int, step: StepTargets, mb: int
-) -> SplitStage | AutogradSplit:
+def build_split_stage(stages: StageHost, stage: int, step: StepTargets, mb: int) -> Split:
     """Traces `stage` on the step's microbatch `mb` and cuts it into F/I/W
-    (an eager stage splits through autograd instead)."""
+    graphs; a stage without a graph, or one a parallelism rewrites, splits
+    through autograd instead."""
     pipe = stages.pipe
-    module = stages.modules[stage]
-    params = list(module.parameters())
-    # A stage cut by hand, or one run on DTensors (tensor parallelism),
-    # splits through autograd.
-    if not as_stage(module).traced or any(isinstance(p, DTensor) for p in params):
-        return AutogradSplit(params)
-    assert isinstance(module, torch.fx.GraphModule)
+    module = as_stage(stages.modules[stage]).graph_module
+    params = list(stages.modules[stage].parameters())
+    # Parameters that are DTensors (a user's own sharding) split through
+    # autograd too: the graphs are traced on plain tensors.
+    if module is None or stages.split_by_autograd or any(isinstance(p, DTensor) for p in params):
+        return AutogradStageSplit(params)
     spec = pipe.stage_specs[stage]
     received = [
         torch.zeros(s.shape, dtype=s.dtype, device=stages.device)
@@ -141,7 +249,7 @@ def build_split_stage(
                 f"model had it; make that part of stage {stage} differentiable, or detach it "
                 "in the model itself"
             )
-    return split
+    return GraphSplit(split)
 
 
 class _Unhooked(torch.nn.Module):

@@ -20,13 +20,12 @@ import torch.utils.checkpoint
 
 from ..graph.markers import compiled
 from ..graph.pipe import Pipe
-from ..graph.split import SplitStage, selective_recompute_context
+from ..graph.split import selective_recompute_context
 from ..graph.stage import as_stage
-from .autograd_split import AutogradSplit
 from .materialize import allocate
 from .microbatch import to_device
 from .rank_rng import checkpoint_rng, own_generator
-from .split_stages import autograd_forward, build_split_stage, split_inputs
+from .split_stages import Split, build_split_stage
 
 __all__: list[str] = []
 
@@ -66,6 +65,7 @@ class LocalStages:
         compile_options: Mapping[str, Any] | None,
         selective: set[int] | None = None,
         recomputed: set[int] | None = None,
+        split_by_autograd: bool = False,
     ) -> None:
         self.pipe = pipe
         self.ids = stages
@@ -73,6 +73,9 @@ class LocalStages:
         self.last = pipe.num_stages - 1
         self.num_microbatches = num_microbatches
         self.split = split
+        # Split stages cut through autograd, not into graphs (a parallelism
+        # rewrites the stages: their graphs are not the traced ones).
+        self.split_by_autograd = split_by_autograd
         # Stages whose backward recomputes all but matmul and attention outputs.
         self.selective = set(selective or ())
         # Stages whose forward runs twice per microbatch (F, then R).
@@ -100,7 +103,7 @@ class LocalStages:
             ]
             for s in stages
         }
-        self.split_graphs: dict[int, SplitStage | AutogradSplit] = {}
+        self.split_graphs: dict[int, Split] = {}
 
     def wrap_forwards(self, wrap: Callable[[int, Callable[..., Any]], Callable[..., Any]]) -> None:
         """Runs `wrap(stage, forward)` in place of each stage's forward
@@ -114,8 +117,7 @@ class LocalStages:
             with own_generator():  # tracing runs the forward: it draws
                 self.split_graphs[stage] = build_split_stage(self, stage, step, mb)
         for graphs in self.split_graphs.values():
-            if isinstance(graphs, AutogradSplit):
-                graphs.reset()  # what a failed step left
+            graphs.reset()  # what a failed step left
 
     def user_inputs(self, step: Step, stage: int, mb: int) -> list[Any]:
         """The model inputs `stage` reads, for microbatch `mb`, on the device."""
@@ -225,10 +227,7 @@ class Training:
         st, step = self._stages[mb], self._step
         split = st.split_graphs.get(stage)
         if split is not None:
-            if isinstance(split, AutogradSplit):
-                result = autograd_forward(split, st, step, stage, mb, received)
-            else:
-                result = split.forward(split_inputs(st, step, stage, mb, received))
+            result = split.forward(st, step, stage, mb, received)
             if stage != st.last:
                 return result
             # Outputs: sends, loss / m (differentiated), loss (reported); then saved.
@@ -246,23 +245,12 @@ class Training:
     def input_grad(
         self, stage: int, mb: int, saved: list[torch.Tensor], grads: list[torch.Tensor | None]
     ) -> list[torch.Tensor]:
-        split = self._stages[mb].split_graphs[stage]
-        if isinstance(split, AutogradSplit):
-            last = stage == self._stages[mb].last
-            return split.input_grad(
-                mb,
-                [*grads, torch.ones((), device=self._stages[mb].device)] if last else list(grads),
-            )
-        input_grads, for_w = split.input_grad(saved, grads)
-        return [*input_grads, *for_w]
+        st = self._stages[mb]
+        return st.split_graphs[stage].input_grad(st, stage, mb, saved, grads)
 
     @_recorded
     def weight_grad(self, stage: int, mb: int, saved: list[torch.Tensor]) -> None:
-        split = self._stages[mb].split_graphs[stage]
-        if isinstance(split, AutogradSplit):
-            split.weight_grad(mb)
-        else:
-            split.weight_grad(saved)
+        self._stages[mb].split_graphs[stage].weight_grad(mb, saved)
 
 
 class Evaluation:

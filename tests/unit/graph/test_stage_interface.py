@@ -32,6 +32,9 @@ def test_both_kinds_of_stage_answer_the_interface():
         for s in range(pipe.num_stages):
             stage = as_stage(pipe.stage(s))
             assert stage.traced is kind
+            # What the runtime asks instead of the kind: the graph, the user's module.
+            assert (stage.graph_module is pipe.stage(s)) is kind
+            assert (stage.user_module is None) is kind
             names = {n for n, _ in stage.state_root.named_parameters()}
             assert names, f"stage {s} shows no parameters through state_root"
             assert isinstance(stage.ops_text(), str)
