@@ -12,7 +12,7 @@ from ..graph.pipe import Pipe, TensorSpec
 from ..parallel.layout import Layout
 from ..parallel.protocol import Parallelism
 from .checks import check_dtypes
-from .compiled import CompiledPipe, Options, signature_of, traced_signature
+from .compiled import CompiledPipe, PipeSettings, signature_of, traced_signature
 from .fingerprint import BatchPrint, batch_print
 from .stages import Step
 
@@ -58,12 +58,12 @@ class Batches:
         self,
         pipe: Pipe,
         first: CompiledPipe,
-        options: Options,
+        settings: PipeSettings,
         layout: Layout,
     ) -> None:
         self.pipe = pipe
         self.first = first
-        self.options = options
+        self.settings = settings
         self.layout = layout
         self.compiled = {traced_signature(pipe): first}
         self.num_traces = 0  # signatures traced after the first
@@ -80,7 +80,7 @@ class Batches:
                 f"{refused} (got {[s for s in signature if isinstance(s, TensorSpec)]}); pass "
                 "batches that split into microbatches like the traced example"
             )
-        compiled = CompiledPipe.retraced(self.pipe, row, self.options, shared=self.first)
+        compiled = CompiledPipe.retraced(self.pipe, row, self.settings, shared=self.first)
         self.compiled[signature] = compiled
         self.num_traces += 1
         return compiled

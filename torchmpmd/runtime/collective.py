@@ -343,4 +343,9 @@ def pick_device(device: torch.device | str | None, transport: Transport) -> torc
     device = torch.device(device)
     if device == torch.device("cuda"):  # no index: this process's current GPU
         return torch.device("cuda", torch.cuda.current_device())
+    if device.type == "meta":
+        raise ValueError(
+            "PipelineRunner: device='meta' cannot run a step; the meta device is for tracing "
+            "a model and for describing it (the runner allocates its stages on a real device)"
+        )
     return device

@@ -34,7 +34,7 @@ from ..schedule.program import Edge, Program, StageGraph, compile_schedule
 from ..schedule.task import Schedule
 from ..schedule.timeline import Timeline, from_records
 from .microbatch import Microbatcher
-from .options import StageWrapper
+from .options import RunnerOptions, StageWrapper
 from .stages import LocalStages, LossFn
 from .transport import Transport
 
@@ -60,7 +60,7 @@ def traced_signature(pipe: Pipe) -> Signature:
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
-class Options:
+class PipeSettings:
     """What every compiled pipe of a runner shares."""
 
     schedule: Schedule
@@ -79,27 +79,57 @@ class Options:
     # stage's training program).
     layout: Layout = dataclasses.field(default_factory=lambda: Layout(None, None, []))
 
+    @staticmethod
+    def of(
+        options: RunnerOptions,
+        schedule: Schedule,
+        transport: Transport,
+        device: torch.device,
+        loss_fn: LossFn | None,
+        timeout: float,
+        selective: frozenset[int],
+        layout: Layout,
+    ) -> PipeSettings:
+        """A runner's settings: its checked `options` (`timeout` in seconds,
+        the `selective` recompute's stages) and what it runs on."""
+        compiled = options.compile
+        return PipeSettings(
+            schedule=schedule,
+            transport=transport,
+            device=device,
+            loss_fn=loss_fn,
+            chunk_dims=options.chunk_dims,
+            timeout=timeout,
+            max_early_recvs=options.max_early_recvs,
+            split_backward=options.split_backward,
+            compile_options=None if compiled is False else ({} if compiled is True else compiled),
+            selective_recompute=selective,
+            measure_memory=bool(options.measure_memory),
+            wrap_stage=options.wrap_stage,
+            layout=layout,
+        )
+
 
 class CompiledPipe:
     """`pipe` lowered for this rank: program, local stages and executors."""
 
-    def __init__(self, pipe: Pipe, options: Options, shared: CompiledPipe | None) -> None:
+    def __init__(self, pipe: Pipe, settings: PipeSettings, shared: CompiledPipe | None) -> None:
         self.pipe = pipe
-        self._options = options
-        transport = options.transport
+        self._settings = settings
+        transport = settings.transport
         self.rank: int = transport.rank
-        layout = options.layout
+        layout = settings.layout
         # A parallelism that sums the tied weights' gradients itself (their
         # DTensor shards, which the executor does not exchange) takes the
         # ties out of the program.
         graph = untied(pipe, layout) if layout.sums_ties else pipe
         self.program: Program = compile_schedule(
-            options.schedule, graph, transport.size, collectives=layout.collectives
+            settings.schedule, graph, transport.size, collectives=layout.collectives
         )
-        full = self._unsplittable(options) if options.split_backward == "auto" else {}
+        full = self._unsplittable(settings) if settings.split_backward == "auto" else {}
         if full:
             self.program = compile_schedule(
-                options.schedule.with_full_backward(full),
+                settings.schedule.with_full_backward(full),
                 graph,
                 transport.size,
                 collectives=layout.collectives,
@@ -107,7 +137,7 @@ class CompiledPipe:
             if self.rank == 0:
                 which = "; ".join(f"stage {s}: {where}" for s, where in sorted(full.items()))
                 warnings.warn(
-                    f"{type(options.schedule).__name__} splits the backward of stages "
+                    f"{type(settings.schedule).__name__} splits the backward of stages "
                     f"{sorted(full)}, whose tensor shapes depend on the data ({which}): they "
                     "run their whole backward (B) in place of I, without W; the other stages "
                     "keep I/W (split_backward='auto')",
@@ -117,8 +147,8 @@ class CompiledPipe:
         self.local_stages = [s for s in range(pipe.num_stages) if placement[s] == self.rank]
         self.loss_rank = placement[pipe.num_stages - 1]
         self._check_recompute()
-        m = options.schedule.num_microbatches
-        self.microbatcher = Microbatcher(pipe, m, options.chunk_dims)
+        m = settings.schedule.num_microbatches
+        self.microbatcher = Microbatcher(pipe, m, settings.chunk_dims)
         # Tied parameters by node id, found again by name once the stages
         # hold this rank's own tensors.
         tied_names = {
@@ -135,12 +165,12 @@ class CompiledPipe:
         self.stages = LocalStages(
             pipe,
             self.local_stages,
-            options.device,
-            loss_fn=options.loss_fn,
+            settings.device,
+            loss_fn=settings.loss_fn,
             num_microbatches=m,
-            split=self._choose_split(options.split_backward),
-            compile_options=options.compile_options,
-            selective=set(options.selective_recompute) & set(self.local_stages),
+            split=self._choose_split(settings.split_backward),
+            compile_options=settings.compile_options,
+            selective=set(settings.selective_recompute) & set(self.local_stages),
             recomputed={t.stage for t in self.program.tasks(self.rank) if recomputes(t.kind)},
             split_by_autograd=layout.rewrites_stages,
         )
@@ -152,8 +182,8 @@ class CompiledPipe:
             self.stages.wrap_forwards(
                 lambda s, call: layout.wrap_forward(modules[s], call, specs[s], transfers)
             )
-        if options.wrap_stage is not None:
-            self.stages.wrap_forwards(functools.partial(options.wrap_stage, self.rank))
+        if settings.wrap_stage is not None:
+            self.stages.wrap_forwards(functools.partial(settings.wrap_stage, self.rank))
         # This rank's copy of each tied parameter it holds, by node id.
         self.tied_parameters: dict[int, torch.nn.Parameter] = {
             node: self.stages.modules[tied_names[id(param)][0]].get_parameter(
@@ -167,7 +197,7 @@ class CompiledPipe:
 
     @classmethod
     def retraced(
-        cls, pipe: Pipe, row: list[Any], options: Options, shared: CompiledPipe
+        cls, pipe: Pipe, row: list[Any], settings: PipeSettings, shared: CompiledPipe
     ) -> CompiledPipe:
         """`pipe` traced again for one microbatch's flat inputs `row` (a
         signature not seen before) and compiled, sharing `shared`'s state.
@@ -181,7 +211,7 @@ class CompiledPipe:
             new = pipe.retrace(row)
         except Exception as err:  # re-raised naming the inputs
             raise ValueError(_retrace_failure(pipe, row, err)) from err
-        return cls(new, options, shared)
+        return cls(new, settings, shared)
 
     def shapes_of(self, other: CompiledPipe, mb: int) -> dict[tuple[int, int], list[int]]:
         """The shapes `other`'s transfers have, as (value, `mb`) -> shape for
@@ -206,15 +236,15 @@ class CompiledPipe:
     def _shape(self, spec: TensorSpec) -> list[int]:
         """The shape of a transfer's messages: this rank's part of the value
         (a parallelism's, e.g. a sequence shard)."""
-        return self._options.layout.transfer_shape(spec)
+        return self._settings.layout.transfer_shape(spec)
 
     def eval_executor(self) -> _C.runtime.Executor:
         """The forward-only executor (the schedule's F tasks), made on first use."""
         if self._eval_executor is None:
             program = compile_schedule(
-                self._options.schedule,
+                self._settings.schedule,
                 self.pipe,
-                self._options.transport.size,
+                self._settings.transport.size,
                 forward_only=True,
             )
             self._eval_executor = self._executor(program, training=False)
@@ -222,7 +252,7 @@ class CompiledPipe:
 
     def _check_recompute(self) -> None:
         recomputed = {t.stage for t in self.program.tasks(self.rank) if recomputes(t.kind)}
-        recomputed |= set(self._options.selective_recompute) & set(self.local_stages)
+        recomputed |= set(self._settings.selective_recompute) & set(self.local_stages)
         for s in sorted(recomputed):
             if self.pipe.stage_specs[s].updates_buffers:
                 raise ValueError(
@@ -231,11 +261,11 @@ class CompiledPipe:
                     "recompute): the update would apply twice; leave this stage out of recompute"
                 )
 
-    def _unsplittable(self, options: Options) -> dict[int, str]:
+    def _unsplittable(self, settings: PipeSettings) -> dict[int, str]:
         """Stages the schedule splits (I/W on any rank) that cannot be split:
         traced stages computing data-dependent shapes (an eager stage, or
         one a parallelism rewrites, splits through autograd, which can)."""
-        if options.layout.rewrites_stages:
+        if settings.layout.rewrites_stages:
             return {}
         with_iw = {
             t.stage
@@ -260,7 +290,7 @@ class CompiledPipe:
         if split_backward is False:
             if with_iw:
                 raise ValueError(
-                    f"{type(self._options.schedule).__name__} has input/weight-gradient tasks "
+                    f"{type(self._settings.schedule).__name__} has input/weight-gradient tasks "
                     f"(I/W) for stages {sorted(with_iw)} on rank {self.rank}, which need "
                     "split_backward; to run those stages' whole backward (B) instead, pass "
                     f"schedule.with_full_backward({sorted(with_iw)}) (split_backward='auto' "
@@ -282,7 +312,7 @@ class CompiledPipe:
         )
 
     def _executor(self, program: Program, training: bool) -> _C.runtime.Executor:
-        pipe, options = self.pipe, self._options
+        pipe, settings = self.pipe, self._settings
         values = [
             _C.runtime.ValueInfo(
                 t.value, t.name, self._shape(t.spec), t.spec.dtype, t.requires_grad
@@ -304,13 +334,13 @@ class CompiledPipe:
             program=program._native,
             stages=stages,
             values=values,
-            transport=options.transport,
-            tied=dict(self.tied_parameters) if training and not options.layout.sums_ties else {},
-            timeout_s=options.timeout,
-            max_early_recvs=options.max_early_recvs,
+            transport=settings.transport,
+            tied=dict(self.tied_parameters) if training and not settings.layout.sums_ties else {},
+            timeout_s=settings.timeout,
+            max_early_recvs=settings.max_early_recvs,
             training=training,
-            device=options.device,
-            measure_memory=options.measure_memory,
+            device=settings.device,
+            measure_memory=settings.measure_memory,
         )
 
 

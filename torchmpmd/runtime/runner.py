@@ -27,7 +27,7 @@ from .checks import (
     require_pipe,
 )
 from .collective import Collective, connect, pick_device
-from .compiled import CompiledPipe, Options
+from .compiled import CompiledPipe, PipeSettings
 from .failures import GRADS_NOTE, original_errors
 from .fingerprint import describe
 from .options import RunnerOptions, resolve
@@ -96,65 +96,48 @@ class PipelineRunner:
             opts.data_parallel, opts.parallelize, opts.tp_plan, opts.compile, opts.bucket_bytes
         )
         layout = Layout.read(mesh, asked, pipe)
-        link, board, group = connect(layout, group, transport)
+        pipeline_transport, failure_board, group = connect(layout, group, transport)
         full, selective = recompute_policy(opts.recompute, pipe.num_stages)
         if full:
             schedule = schedule.with_recompute(full)
         self._pipe = pipe
         self.options = opts
         self.num_microbatches = schedule.num_microbatches
-        self.device = pick_device(device, link)
-        if self.device.type == "meta":
-            raise ValueError(
-                "PipelineRunner: device='meta' cannot run a step; the meta device is for tracing "
-                "a model and for describing it (the runner allocates its stages on a real device)"
-            )
-        compiled = opts.compile
-        compile_options = None if compiled is False else ({} if compiled is True else compiled)
-        self._options = Options(
-            schedule=schedule,
-            transport=link,
-            device=self.device,
-            loss_fn=loss_fn,
-            chunk_dims=opts.chunk_dims,
-            timeout=timeout,
-            max_early_recvs=opts.max_early_recvs,
-            split_backward=opts.split_backward,
-            compile_options=compile_options,
-            selective_recompute=selective,
-            measure_memory=bool(opts.measure_memory),
-            wrap_stage=opts.wrap_stage,
-            layout=layout,
+        self.device = pick_device(device, pipeline_transport)
+        self._settings = PipeSettings.of(
+            opts, schedule, pipeline_transport, self.device, loss_fn, timeout, selective, layout
         )
-        first = CompiledPipe(pipe, self._options, shared=None)
-        self._first = first
-        self.program: Program = first.program
-        self.rank: int = link.rank
-        self.num_ranks: int = link.size
-        self.local_stages = first.local_stages
+        # The pipe compiled for the traced shapes (others are compiled when a
+        # batch brings new ones: Batches), whose stages hold this rank's state.
+        traced = CompiledPipe(pipe, self._settings, shared=None)
+        self._traced = traced
+        self.program: Program = traced.program
+        self.rank: int = pipeline_transport.rank
+        self.num_ranks: int = pipeline_transport.size
+        self.local_stages = traced.local_stages
         replicas = layout.replica_group
         self.dp_size = 1 if replicas is None else dist.get_world_size(replicas)
         self._layout = layout
         self._collective = Collective(
-            link,
-            board,
+            pipeline_transport,
+            failure_board,
             layout=layout,
             own_transport=transport is not None,
             timeout=timeout,
             device=self.device,
             describe_job=lambda: describe(pipe, self.program, __version__),
         )
-        self._weights = Weights(pipe, first, self._collective, layout)
+        self._weights = Weights(pipe, traced, self._collective, layout)
         self._weights.start_equal()
         self._collective.first_call_hook = self._weights.first_call
-        modules = {s: first.stages.modules[s] for s in first.local_stages}
+        modules = {s: traced.stages.modules[s] for s in traced.local_stages}
         ties = self._weights.tie_holders()
         layout.attach(
-            RankStages(modules, list(first.tied_parameters.values()), ties, opts.bucket_bytes)
+            RankStages(modules, list(traced.tied_parameters.values()), ties, opts.bucket_bytes)
         )
         # Shards cut from allocated garbage (FSDP's) are still unwritten.
-        first.stages.allocation.follow(first.stages.modules)
-        self._batches = Batches(pipe, first, self._options, layout)
+        traced.stages.allocation.follow(traced.stages.modules)
+        self._batches = Batches(pipe, traced, self._settings, layout)
         self.timeline: Timeline | None = None
 
     def _batch(
@@ -164,7 +147,7 @@ class PipelineRunner:
         call leaves the runner usable)."""
         self._collective.refuse_if_failed()
         refuse_autocast(self.device, call, self.rank)
-        self._first.stages.allocation.check(self._first.stages.modules, self.rank)
+        self._traced.stages.allocation.check(self._traced.stages.modules, self.rank)
         return self._batches.split(args, kwargs, target, call)
 
     # ---- steps
@@ -195,7 +178,7 @@ class PipelineRunner:
                     # from their own CPU generator (rank_rng.py).
                     replay_rng=not (rank_rng.in_rank_thread() and self.device.type == "cpu"),
                 )
-            layout.finish(self._first.tied_parameters)
+            layout.finish(self._traced.tied_parameters)
             self.timeline = compiled.measured_timeline(self.num_ranks)
             loss, losses = results.share_losses(
                 self._collective,
@@ -211,7 +194,7 @@ class PipelineRunner:
         """Forward only, keeping no autograd state; the model's output for the
         whole batch (microbatch outputs concatenated) on every rank."""
         batch = self._batch(args, kwargs, None, "eval_step")
-        check_mergeable(batch.per_mb, self.num_microbatches, self._options.chunk_dims)
+        check_mergeable(batch.per_mb, self.num_microbatches, self._settings.chunk_dims)
         with self._collective.call("eval_step", batch=batch.fingerprint):
             step = Step(inputs=batch.inputs, targets=[])
             evaluation = Evaluation([c.stages for c in batch.per_mb], step)
@@ -278,7 +261,7 @@ class PipelineRunner:
 
     def local_modules(self) -> list[torch.nn.Module]:
         """This rank's stage modules (parameters and buffers under the model's names)."""
-        return [self._first.stages.modules[s] for s in self.local_stages]
+        return [self._traced.stages.modules[s] for s in self.local_stages]
 
     def parameter_aliases(self) -> dict[str, list[str]]:
         """Every name the model gives each parameter and buffer, keyed by each name."""
@@ -360,4 +343,4 @@ class PipelineRunner:
 
     @property
     def _stages(self) -> Any:
-        return self._first.stages
+        return self._traced.stages

@@ -207,7 +207,7 @@ def test_an_init_that_assigns_new_parameters_keeps_the_tie():
     assert torch.equal(copies[0][1], copies[1][1])
     for runner in local.runners:  # the tie map holds the stage's own tensor
         held = {id(p) for _, p in runner.named_parameters()}
-        assert all(id(p) in held for p in runner._first.tied_parameters.values())
+        assert all(id(p) in held for p in runner._traced.tied_parameters.values())
     _check_nanogpt_step(local, config)
 
 
