@@ -26,6 +26,7 @@ import datetime
 import itertools
 import json
 import reprlib
+import weakref
 import zlib
 from collections.abc import Mapping
 from typing import Any
@@ -45,7 +46,11 @@ _PLAIN = (type(None), bool, int, float, str, bytes)
 # subclasses of dict it knows (they read back as themselves).
 _SEQUENCES = (list, tuple)
 _MAPPINGS = (dict, collections.OrderedDict, collections.Counter)
-_calls = itertools.count(1)  # this process's save and load calls, alike on every rank
+# This process's save and load calls per default process group, alike on
+# every rank of it (a group made again, after a failure, counts afresh).
+_calls: weakref.WeakKeyDictionary[dist.ProcessGroup, itertools.count[int]] = (
+    weakref.WeakKeyDictionary()
+)
 _show = reprlib.Repr()
 _show.maxstring, _show.maxother, _show.maxlist, _show.maxdict = 40, 40, 4, 4
 
@@ -67,7 +72,9 @@ def check_in(call: str, path: object, timeout: float, entry: dict[str, Any]) -> 
         return [entry]
     store = _get_default_store()
     me, world = dist.get_rank(), dist.get_world_size()
-    n = next(_calls)
+    world_group = dist.group.WORLD
+    assert world_group is not None
+    n = next(_calls.setdefault(world_group, itertools.count(1)))
     keys = [f"{_PREFIX}/{n}/{r}" for r in range(world)]
     verdict_key = f"{_PREFIX}/{n}/verdict"
     store.set(keys[me], json.dumps({"call": call, "path": str(path), **entry}))

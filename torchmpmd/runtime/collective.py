@@ -22,6 +22,7 @@ import contextlib
 import datetime
 import hashlib
 import re
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -287,9 +288,12 @@ def connect(
     return made, board, group
 
 
-# How many transports this process made per mesh (by its ranks): every rank
-# builds its runners in the same order, so the n-th has the same board key.
-_mesh_transports_made: dict[str, int] = {}
+# How many transports this process made per mesh (by its ranks), per default
+# process group: every rank builds its runners in the same order, so the
+# n-th has the same board key (a group made again counts afresh).
+_mesh_transports_made: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[str, int]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _mesh_transport(
@@ -301,13 +305,15 @@ def _mesh_transport(
     job at once, not only those of its pipeline group, and names it; its tp
     peers and their pipelines included, which share no pipeline group
     with it."""
-    store = _store_of(dist.group.WORLD) if dist.group.WORLD is not None else None
-    if store is None:
+    world = dist.group.WORLD
+    store = _store_of(world) if world is not None else None
+    if store is None or world is None:
         return c10d_transport(group)
     ranks = ",".join(str(r) for r in mesh.mesh.flatten().tolist())
     name = hashlib.sha1(ranks.encode()).hexdigest()[:16]
-    n = _mesh_transports_made.get(name, 0)
-    _mesh_transports_made[name] = n + 1
+    made = _mesh_transports_made.setdefault(world, {})
+    n = made.get(name, 0)
+    made[name] = n + 1
     key = f"torchmpmd/failed/mesh-{name}/{n}"
     return C10dTransport(group, store=store, key=key), FailureBoard(store, key)
 
