@@ -102,8 +102,9 @@ class RunnerOptions:
     traced graphs instead, unless built with `mpmd.from_stages`."""
 
 
-# PipelineRunner's keyword arguments before RunnerOptions, still accepted.
-# (Fields added since are RunnerOptions fields only.)
+# PipelineRunner's keyword arguments before RunnerOptions, still accepted:
+# every field but tp_plan, which came after them and is a RunnerOptions
+# field only.
 _RENAMED = {f.name for f in dataclasses.fields(RunnerOptions)} - {"tp_plan"}
 # Process-wide CPU policies the runner used to set: now `mpmd.tune_cpu()`.
 _TUNING = ("gloo_sched_batch", "keep_freed_memory")
