@@ -69,6 +69,9 @@ class Lowering {
   std::vector<TiedState> tied_;
   std::vector<bool> done_;
   std::vector<int32_t> pos_;  // per rank, its next task
+  // The part of the fused task being lowered whose messages are sent now
+  // (Instruction::part); -1 otherwise.
+  int32_t part_ = -1;
   // Per stage: whether it was unsharded yet; its tasks left that finish
   // weight gradients (the last one reduces them).
   std::vector<bool> unsharded_;
@@ -92,8 +95,10 @@ Lowering::Lowering(const PipelineGraph& graph, const ScheduleSpec& spec,
   unsharded_.assign(graph.num_stages, false);
   weight_grads_left_.assign(graph.num_stages, 0);
   for (const auto& tasks : spec.tasks) {
-    for (const Task& t : tasks) {
-      if (info(t.kind).finishes_weight_grads) ++weight_grads_left_[t.stage];
+    for (const Task& task : tasks) {
+      for (const Task& t : task.simple_parts()) {
+        if (info(t.kind).finishes_weight_grads) ++weight_grads_left_[t.stage];
+      }
     }
   }
   for (const TiedGroup& g : graph.tied) {
@@ -179,6 +184,7 @@ void Lowering::message(int32_t from, int32_t to, Instruction ins) {
   ins.tag = pair_tags_[pair_key(from, to)]++;
   Instruction recv = ins;
   ins.op = Op::kSend;
+  ins.part = part_;
   ins.peer = to;
   recv.op = Op::kRecv;
   recv.peer = from;
@@ -281,16 +287,35 @@ Program Lowering::run() && {
     double start = 0;
     const int32_t r = next_rank(&start);
     if (r < 0) deadlock();
-    const Task t = spec_.tasks[r][pos_[r]++];
-    machine_.run(r, compute(t), start);
-    done_[positions_.index(t)] = true;
-    unshard_before(r, t);
-    emit(r, compute(t));
-    const TaskKindInfo& kind = info(t.kind);
-    if (kind.emits_activations) send_activations(r, t);
-    if (kind.emits_input_grads && !spec_.forward_only) send_input_grads(r, t);
-    if (kind.finishes_weight_grads) send_tied_grads(r, t);
-    reduce_grads_after(r, t);
+    // A fused task is one step: it starts once every part's inputs are
+    // there (deps_done, ready) and its parts' messages leave after it.
+    const Task& task = spec_.tasks[r][pos_[r]++];
+    for (const Task& t : task.simple_parts()) {
+      done_[positions_.index(t)] = true;
+      unshard_before(r, t);
+    }
+    emit(r, compute(task));
+    // Part by part (no measured time of its own), each part's messages
+    // leave as it ends; else all after the task (machine.h).
+    const bool by_part = machine_.runs_parts(task);
+    if (!by_part) machine_.run(r, compute(task), start);
+    const Task::Parts parts = task.simple_parts();
+    for (size_t k = 0; k < parts.size(); ++k) {
+      const Task& t = parts.begin()[k];
+      if (by_part) {
+        machine_.run(r, compute(t), k == 0 ? start : machine_.clock(r));
+        part_ = static_cast<int32_t>(k);
+      }
+      const TaskKindInfo& kind = info(t.kind);
+      if (kind.emits_activations) send_activations(r, t);
+      if (kind.emits_input_grads && !spec_.forward_only) {
+        send_input_grads(r, t);
+      }
+      if (kind.finishes_weight_grads) send_tied_grads(r, t);
+    }
+    part_ = -1;
+    // Gradient reductions start after the whole task.
+    for (const Task& t : parts) reduce_grads_after(r, t);
   }
   for (const auto& st : tied_) {
     for (const int32_t h : st.holders) {

@@ -143,7 +143,12 @@ class CompiledPipe:
             split=self._choose_split(options.split_backward),
             compile_options=options.compile_options,
             selective=set(options.selective_recompute) & set(self.local_stages),
-            recomputed={t.stage for t in self.program.tasks(self.rank) if recomputes(t.kind)},
+            recomputed={
+                p.stage
+                for t in self.program.tasks(self.rank)
+                for p in t.parts
+                if recomputes(p.kind)
+            },
         )
         tensor = options.tensor
         if tensor is not None:
@@ -234,7 +239,9 @@ class CompiledPipe:
         return self._eval_executor
 
     def _check_recompute(self) -> None:
-        recomputed = {t.stage for t in self.program.tasks(self.rank) if recomputes(t.kind)}
+        recomputed = {
+            p.stage for t in self.program.tasks(self.rank) for p in t.parts if recomputes(p.kind)
+        }
         recomputed |= set(self._options.selective_recompute) & set(self.local_stages)
         for s in sorted(recomputed):
             if self.pipe.stage_specs[s].updates_buffers:
@@ -251,10 +258,11 @@ class CompiledPipe:
         if options.tensor is not None:
             return {}
         with_iw = {
-            t.stage
+            p.stage
             for r in range(self.program.num_ranks)
             for t in self.program.tasks(r)
-            if part_of_backward(t.kind)
+            for p in t.parts
+            if part_of_backward(p.kind)
         }
         found = {}
         for s in sorted(with_iw):
@@ -265,7 +273,12 @@ class CompiledPipe:
         return found
 
     def _choose_split(self, split_backward: bool | str) -> set[int]:
-        with_iw = {t.stage for t in self.program.tasks(self.rank) if part_of_backward(t.kind)}
+        with_iw = {
+            p.stage
+            for t in self.program.tasks(self.rank)
+            for p in t.parts
+            if part_of_backward(p.kind)
+        }
         if split_backward == "auto":
             return with_iw
         if split_backward is True:

@@ -12,6 +12,8 @@ __all__ = ["plot"]
 
 _COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#C44E52"}
 _OTHER = "#8172B3"  # any other task kind
+# A fused task: one box, hatched, in its first part's color.
+_FUSED_HATCH = "////"
 # Data-parallel collectives: a thin bar under the rank's tasks.
 _COLLECTIVE_COLORS = {"unshard": "#937860", "reduce_grads": "#8C8C8C"}
 
@@ -24,7 +26,8 @@ def plot(
     labels: bool = True,
 ) -> Any:
     """Draws one Gantt chart per timeline (rows: ranks; boxes: tasks colored by
-    kind and named '{stage}{kind}{microbatch}'; a stage's data-parallel unshard
+    kind and named '{stage}{kind}{microbatch}', a fused task hatched, in its
+    first part's color, named by its parts '0F3+1B2'; a stage's data-parallel unshard
     and gradient reduction as thin bars under them), stacked so that a
     predicted and a measured run of the same schedule can be compared. Saves a PNG to
     `path` if given; returns the matplotlib Figure.
@@ -90,12 +93,13 @@ def plot(
                 color=_COLORS.get(e.kind, _OTHER),
                 edgecolor="white",
                 linewidth=0.5,
+                hatch=_FUSED_HATCH if e.is_fused else None,
             )
             if labels and width > span / 60:
                 ax.text(
                     x0 + width / 2,
                     e.rank,
-                    f"{e.stage}{e.kind}{e.microbatch}",
+                    "+".join(str(p) for p in e.sub_tasks) if e.is_fused else e.name,
                     ha="center",
                     va="center",
                     fontsize=6,
@@ -115,6 +119,10 @@ def plot(
     )
     shown = sorted({e.kind for t in timelines for e in t.events if e.kind in COLLECTIVES})
     handles = [Patch(color=_COLORS.get(k, _OTHER), label=k) for k in kinds]
+    if any(e.is_fused for t in timelines for e in t.tasks):
+        handles.append(
+            Patch(facecolor="white", edgecolor="black", hatch=_FUSED_HATCH, label="fused")
+        )
     handles += [Patch(color=_COLLECTIVE_COLORS[k], label=k) for k in shown]
     fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=8)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
