@@ -76,7 +76,7 @@ class Task:
         one profiler range; torch.distributed.pipelining's OVERLAP_F_B action
         with sub-actions. The schedule's validation refuses parts on stages
         of another rank and parts that depend on one another."""
-        tasks = tuple(p if isinstance(p, Task) else Task.parse(p) for p in parts)
+        tasks = tuple(Task.parse(p) if isinstance(p, str) else p for p in parts)
         _check_parts(tasks)
         first = tasks[0]
         return cls(first.kind, first.stage, first.microbatch, tasks)
