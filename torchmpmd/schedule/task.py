@@ -25,7 +25,7 @@ _KINDS = tuple(_C.schedule.TaskKind.__members__)
 FUSED_ACTION = "OVERLAP_F_B"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, repr=False)
 class Task:
     """One piece of work: forward (F), full backward (B), input-grad (I),
     weight-grad (W) or recompute (R) of `stage` on `microbatch`; or a fused
@@ -55,6 +55,11 @@ class Task:
             # names the task in its grid; beyond int32 nothing can hold them.
             if not -(2**31) <= value < 2**31:
                 raise ValueError(f"Task {field_name} {value} is out of range (32-bit int)")
+        if not isinstance(self.sub_tasks, tuple):
+            raise TypeError(
+                f"Task sub_tasks must be a tuple of mpmd.Task, got {type(self.sub_tasks).__name__}; "
+                "build fused tasks with Task.fused(...)"
+            )
         if self.sub_tasks:
             _check_parts(self.sub_tasks)
             first = self.sub_tasks[0]
@@ -89,6 +94,11 @@ class Task:
     def parts(self) -> tuple[Task, ...]:
         """The simple tasks it runs: a fused task's parts, in order, or itself."""
         return self.sub_tasks or (self,)
+
+    def __repr__(self) -> str:
+        if self.sub_tasks:
+            return f"Task.fused({', '.join(map(repr, self.sub_tasks))})"
+        return f"Task(kind={self.kind!r}, stage={self.stage}, microbatch={self.microbatch})"
 
     def __str__(self) -> str:
         """torch.distributed.pipelining's action format: '2F5'; fused

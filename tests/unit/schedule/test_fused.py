@@ -43,6 +43,11 @@ def test_fused_task_holds_its_parts_and_answers_the_first_ones_fields():
     # A simple task is its one part, built as before.
     simple = Task("B", 1, 2)
     assert not simple.is_fused and simple.parts == (simple,) and simple.sub_tasks == ()
+    assert repr(simple) == "Task(kind='B', stage=1, microbatch=2)"
+    assert repr(t) == (
+        "Task.fused(Task(kind='F', stage=0, microbatch=3), Task(kind='B', stage=3, microbatch=1))"
+    )
+    assert eval(repr(t), {"Task": Task}) == t
 
 
 @pytest.mark.parametrize(
@@ -66,6 +71,8 @@ def test_fused_refuses_what_cannot_be_one(parts, error, match):
 def test_fused_task_built_by_hand_must_answer_its_first_part():
     with pytest.raises(ValueError, match=r"build fused tasks with Task\.fused"):
         Task("B", 3, 1, (Task("F", 0, 3), Task("B", 3, 1)))
+    with pytest.raises(TypeError, match="sub_tasks must be a tuple"):
+        Task("F", 0, 3, [Task("F", 0, 3), Task("B", 3, 1)])  # type: ignore[arg-type]
 
 
 def test_action_format_round_trips_and_is_torchs():
