@@ -40,9 +40,13 @@ bool reads(const Instruction& user, const Instruction& recv) {
   if (user.op == Op::kReduceTied) {
     return recv.payload == Payload::kTiedGrad && recv.value == user.value;
   }
-  if (user.op != Op::kCompute) return false;
+  return user.op == Op::kCompute && reads(user.task, recv);
+}
+
+bool reads(const Task& task, const Instruction& recv) {
+  if (recv.op != Op::kRecv) return false;
   // A fused task reads what any of its parts reads.
-  for (const Task& t : user.task.simple_parts()) {
+  for (const Task& t : task.simple_parts()) {
     if (t.microbatch != recv.microbatch) continue;
     const TaskKindInfo& kind = info(t.kind);
     switch (recv.payload) {

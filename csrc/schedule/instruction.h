@@ -60,6 +60,8 @@ const char* collective_name(Op op);
 // reads gradients (B, I) of the producing stage, a tied gradient by the
 // reduce of that parameter. A fused task reads what any of its parts reads.
 bool reads(const Instruction& user, const Instruction& recv);
+// Whether a compute of `task` reads what the receive `recv` delivers.
+bool reads(const Task& task, const Instruction& recv);
 
 struct Program {
   ScheduleSpec spec;

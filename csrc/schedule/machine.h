@@ -65,11 +65,23 @@ class Machine {
   // reduce takes no time). A fused task that runs_parts() is run one part
   // at a time, each as a compute of its own.
   double run(int32_t rank, const Instruction& ins, double start);
+  // ready() and run() of a compute of the simple task `task` alone: a part
+  // of a fused task that runs part by part.
+  std::optional<double> ready(int32_t rank, const Task& task) const;
+  double run(int32_t rank, const Task& task, double start);
   // Starts the gradient reduction `ins` of `rank` once the rank and its
   // collective channel are free; returns when it runs.
   Interval reduce_grads(int32_t rank, const Instruction& ins);
 
  private:
+  // When the receives of `rank` that `user` reads have arrived (with its
+  // clock); nullopt while one has not been sent.
+  template <typename Reads>
+  std::optional<double> arrivals(int32_t rank, Reads user) const;
+  // Forgets the receives of `rank` that `user` reads (it consumed them).
+  template <typename Reads>
+  void consume(int32_t rank, Reads user);
+
   Costs costs_;
   std::vector<double> clock_;
   std::vector<double> collective_free_;                      // per rank

@@ -10,18 +10,6 @@
 
 namespace torchmpmd::schedule {
 
-namespace {
-
-// Part `k` of the fused task of compute `ins`, as a compute of its own.
-Instruction part_of(const Instruction& ins, size_t k) {
-  Instruction piece;
-  piece.op = Op::kCompute;
-  piece.task = ins.task.parts.at(k);
-  return piece;
-}
-
-}  // namespace
-
 Timeline simulate(const Program& program, const Costs& costs) {
   costs.check(program.num_stages());
   const int32_t R = program.num_ranks();
@@ -43,7 +31,7 @@ Timeline simulate(const Program& program, const Costs& costs) {
     e.label = collective_name(ins.op);
     e.start = start;
     e.end = end;
-    tl.events.push_back(e);
+    tl.events.push_back(std::move(e));
   };
   const auto peaks = [&](int32_t r) {
     tl.peak_activation_bytes[r] =
@@ -96,7 +84,7 @@ Timeline simulate(const Program& program, const Costs& costs) {
     e.label = to_string(ins);
     e.start = in_flight.start;
     e.end = in_flight.end;
-    tl.events.push_back(e);
+    tl.events.push_back(std::move(e));
   };
 
   const auto wait = [&](int32_t r, const Task& t, double until) {
@@ -107,7 +95,7 @@ Timeline simulate(const Program& program, const Costs& costs) {
     e.task = t;
     e.start = machine.clock(r);
     e.end = until;
-    tl.events.push_back(e);
+    tl.events.push_back(std::move(e));
   };
   const auto compute = [&](int32_t r, const Task& t, double start, double end) {
     peaks(r);
@@ -117,7 +105,7 @@ Timeline simulate(const Program& program, const Costs& costs) {
     e.task = t;
     e.start = start;
     e.end = end;
-    tl.events.push_back(e);
+    tl.events.push_back(std::move(e));
   };
 
   size_t remaining = 0;
@@ -140,9 +128,9 @@ Timeline simulate(const Program& program, const Costs& costs) {
       fused_start[r] = start;
       next_send[r] = pc[r] + 1;
     }
-    const Instruction piece = part_of(ins, k);
+    const Task& piece = ins.task.parts[k];
     const double end = machine.run(r, piece, start);
-    keep(r, piece.task);
+    keep(r, piece);
     while (next_send[r] < code.size() && code[next_send[r]].op == Op::kSend &&
            code[next_send[r]].part == static_cast<int32_t>(k)) {
       send(r, code[next_send[r]++]);
@@ -166,7 +154,7 @@ Timeline simulate(const Program& program, const Costs& costs) {
       const Instruction& ins = program.ranks[r][pc[r]];
       std::optional<double> start = machine.clock(r);
       if (ins.op == Op::kCompute && machine.runs_parts(ins.task)) {
-        start = machine.ready(r, part_of(ins, part[r]));
+        start = machine.ready(r, ins.task.parts[part[r]]);
       } else if (ins.op == Op::kCompute || ins.op == Op::kReduceTied ||
                  ins.op == Op::kUnshard) {
         start = machine.ready(r, ins);

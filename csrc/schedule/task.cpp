@@ -23,7 +23,8 @@ template <typename Fn>
 std::string join_parts(const Task& task, const char* sep, Fn fn) {
   std::string out;
   for (const Task& p : task.simple_parts()) {
-    out += detail::str_cat(out.empty() ? "" : sep, fn(p));
+    if (!out.empty()) out += sep;
+    out += fn(p);
   }
   return out;
 }
@@ -75,6 +76,7 @@ Task fuse(std::vector<Task> parts) {
 }
 
 std::string to_string(const Task& task) {
+  if (!task.fused()) return simple_string(task);
   return join_parts(task, "+", simple_string);
 }
 

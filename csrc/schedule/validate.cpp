@@ -107,24 +107,26 @@ void check_fused(const ScheduleSpec& spec, int32_t r, int32_t i) {
 void locate_part(const ScheduleSpec& spec, int32_t S, int32_t M, int32_t r,
                  int32_t i, const Task& t, TaskPositions& pos) {
   const Task& whole = spec.tasks[r][i];
-  // "task 0F3" or "part 1B2 of fused task (0F3;1B2)OVERLAP_F_B".
-  const std::string what =
-      whole.fused() ? detail::str_cat("part ", to_string(t), " of fused task ",
-                                      to_action(whole))
-                    : detail::str_cat("task ", to_string(t));
+  // "task F(stage=0, mb=3)" or "part B(stage=1, mb=2) of fused task
+  // (0F3;1B2)OVERLAP_F_B"; built only for a message.
+  const auto what = [&] {
+    return whole.fused() ? detail::str_cat("part ", to_string(t),
+                                           " of fused task ", to_action(whole))
+                         : detail::str_cat("task ", to_string(t));
+  };
   MPMD_CHECK(t.stage >= 0 && t.stage < S, "schedule: rank ", r, " position ", i,
-             ": ", what, " names a stage outside 0..", S - 1,
+             ": ", what(), " names a stage outside 0..", S - 1,
              grid_for(spec, {{r, i}}));
   MPMD_CHECK(t.microbatch >= 0 && t.microbatch < M, "schedule: rank ", r,
-             " position ", i, ": ", what, " names a microbatch outside 0..",
+             " position ", i, ": ", what(), " names a microbatch outside 0..",
              M - 1, grid_for(spec, {{r, i}}));
   MPMD_CHECK(!spec.forward_only || info(t.kind).in_forward_only,
-             "schedule: rank ", r, " position ", i, ": ", what,
+             "schedule: rank ", r, " position ", i, ": ", what(),
              " in a forward-only program", grid_for(spec, {{r, i}}));
   MPMD_CHECK(spec.placement[t.stage] == r, "schedule: ",
              whole.fused() ? detail::str_cat("rank ", r, " position ", i, ": ")
                            : std::string(),
-             what, " is on rank ", r, ", but stage ", t.stage,
+             what(), " is on rank ", r, ", but stage ", t.stage,
              " is placed on rank ", spec.placement[t.stage],
              whole.fused() ? ": all parts of a fused task run on one rank, "
                              "the one holding their stages"
@@ -264,14 +266,16 @@ void validate(const PipelineGraph& graph, const ScheduleSpec& spec) {
       // ranks, never on another part of the same fused task (its parts run
       // as one step, all inputs there before it starts).
       for (const Task& part : whole.simple_parts()) {
-        const std::string what =
-            whole.fused() ? detail::str_cat(to_string(part), " (part of fused ",
-                                            to_action(whole), ")")
-                          : to_string(part);
+        const auto what = [&] {
+          return whole.fused()
+                     ? detail::str_cat(to_string(part), " (part of fused ",
+                                       to_action(whole), ")")
+                     : to_string(part);
+        };
         for (const Task& dep :
              dependencies(part, flow, pos, spec.forward_only)) {
           const Position& p = pos.at(dep);
-          MPMD_CHECK(p.present(), "schedule: ", what, " depends on ",
+          MPMD_CHECK(p.present(), "schedule: ", what(), " depends on ",
                      to_string(dep), ", which no rank runs",
                      grid_for(spec, {{r, i}}));
           MPMD_CHECK(
@@ -282,7 +286,7 @@ void validate(const PipelineGraph& graph, const ScheduleSpec& spec) {
               "not depend on one another: schedule ",
               to_action(dep), " as a task before it", grid_for(spec, {{r, i}}));
           MPMD_CHECK(p.rank != r || p.index < i, "schedule: rank ", r, " runs ",
-                     what, " (position ", i, ") before ", to_string(dep),
+                     what(), " (position ", i, ") before ", to_string(dep),
                      " (position ", p.index, "), which it depends on",
                      grid_for(spec, {{r, i}, {r, p.index}}));
         }
