@@ -9,8 +9,10 @@ without changing its simulated step time."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from models import CASES
-from pipeline_check import check, data, reference, traced
+from pipeline_check import ALL, check, data, reference, stages_for, traced
 from torch.distributed.pipelining.schedules import OVERLAP_F_B, _Action
 from torch.profiler import ProfilerActivity, profile
 
@@ -210,9 +212,13 @@ def test_fused_list_schedule_matches_the_unpipelined_model():
                 # torch.profiler: one range, named by all its parts.
                 ranged = "+".join(f"{p.kind}(stage={p.stage}, mb={p.microbatch})" for p in t.parts)
                 assert names.count(ranged) == 1, ranged
-    # The timeline's fused events feed the measured costs.
+    # Gathered over the ranks, the fused events keep their parts, and they
+    # feed the measured costs.
     merged = mpmd.Timeline.merge(r.timeline for r in local.runners)
-    costs = mpmd.Costs.from_timeline(merged, 2)
+    gathered = local.on_all_ranks(lambda r: r.gather_timeline())[0]
+    assert [(e.rank, e.name) for e in gathered.tasks] == [(e.rank, e.name) for e in merged.tasks]
+    assert sum(e.is_fused for e in gathered.tasks) == 3
+    costs = mpmd.Costs.from_timeline(gathered, 2)
     assert set(costs.fused or {}) == {"0F;0I", "1F;1B"}
     assert all(v > 0 for v in (costs.fused or {}).values())
     # The chrome trace and the plot name them by their parts.
@@ -252,3 +258,49 @@ def test_timeline_event_keeps_its_parts():
     assert e.is_fused and e.task == Task.fused(*parts) and e.name == "(0F3;3B1)OVERLAP_F_B"
     with pytest.raises(ValueError, match="first part's kind, stage and microbatch"):
         mpmd.TimelineEvent(0, "B", 3, 1, 0.0, 1.0, sub_tasks=parts)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_fusing_tasks_keeps_the_simulated_step_by_default(data_):
+    """Any built-in schedule with random neighbouring tasks of a rank fused
+    (where that still lowers) predicts the step time and memory of its parts
+    run apart: a fused task costs the sum of its parts by default."""
+    cls = data_.draw(st.sampled_from(ALL))
+    ranks = data_.draw(st.integers(2, 3))
+    num_stages = stages_for(cls, ranks)
+    m = 2 * num_stages if cls is S.DualPipeV else ranks * data_.draw(st.integers(1, 2))
+    schedule = cls(m)
+    placement = schedule.placement(num_stages, ranks)
+    flat = _flat(schedule.tasks(num_stages, ranks, m))
+    lists = []
+    for rank in flat:
+        row: list[Task] = []
+        i = 0
+        while i < len(rank):
+            if i + 1 < len(rank) and data_.draw(st.booleans()):
+                row.append(Task.fused(rank[i], rank[i + 1]))
+                i += 2
+            else:
+                row.append(rank[i])
+                i += 1
+        lists.append(row)
+    costs = mpmd.Costs(
+        forward=[1.0 + (s % 3) / 2 for s in range(num_stages)],
+        latency=data_.draw(st.sampled_from([0.0, 0.3])),
+        bandwidth=data_.draw(st.sampled_from([0.0, 4.0])),
+    )
+    fused = mpmd.Schedule.from_lists(lists, placement, m)
+    try:
+        program = mpmd.compile_schedule(fused, num_stages, ranks, costs=costs)
+    except ValueError as e:
+        # Parts that depend on one another, or wait for each other through
+        # another rank: refused, and said so.
+        assert "must not depend on one another" in str(e) or "deadlock" in str(e), str(e)
+        return
+    apart = mpmd.Schedule.from_lists(flat, placement, m)
+    a = program.simulate(costs)
+    b = mpmd.compile_schedule(apart, num_stages, ranks, costs=costs).simulate(costs)
+    assert a.step_time == pytest.approx(b.step_time, abs=1e-9)
+    assert a.peak_activation_bytes == b.peak_activation_bytes
+    assert len(a.tasks) == sum(len(r) for r in lists)
