@@ -66,10 +66,9 @@ Executor::Executor(int32_t rank, const schedule::Program& program,
     const Task& task = code_[reader].task;
     size_t part = 0;
     if (code_[reader].op == Op::kCompute && task.fused()) {
-      Instruction piece;
-      for (; part < task.parts.size(); ++part) {
-        piece.task = task.parts[part];
-        if (schedule::reads(piece, ins)) break;
+      while (part < task.parts.size() &&
+             !schedule::reads(task.parts[part], ins)) {
+        ++part;
       }
       TORCH_INTERNAL_ASSERT(part < task.parts.size());
     }
