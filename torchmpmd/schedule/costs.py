@@ -201,7 +201,16 @@ class Costs:
         rows: dict[str, list[float]] = {letter: [] for letter in _OWN}
         for s in range(num_stages):
             if (s, "F") not in mean:
-                raise ValueError(f"Costs.from_timeline: no forward of stage {s} was measured")
+                inside = any(f"{s}F" in key.split(";") for key in fused)
+                raise ValueError(
+                    f"Costs.from_timeline: no forward of stage {s} was measured"
+                    + (
+                        " on its own (only inside fused tasks, timed as a whole): run a step "
+                        "of a schedule without fused tasks to measure it"
+                        if inside
+                        else ""
+                    )
+                )
             for letter, value in _derive({x: mean.get((s, x)) for x in _OWN}, s).items():
                 rows[letter].append(value)
         for kind in COLLECTIVES:

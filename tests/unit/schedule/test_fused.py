@@ -304,3 +304,13 @@ def test_fusing_tasks_keeps_the_simulated_step_by_default(data_):
     assert a.step_time == pytest.approx(b.step_time, abs=1e-9)
     assert a.peak_activation_bytes == b.peak_activation_bytes
     assert len(a.tasks) == sum(len(r) for r in lists)
+
+
+def test_from_timeline_says_when_a_forward_ran_only_fused():
+    fused = Task.fused("0F1", "1B0")
+    events = [
+        mpmd.TimelineEvent(0, "F", 1, 0, 0.0, 1.0),
+        mpmd.TimelineEvent(0, "F", 0, 1, 1.0, 4.0, sub_tasks=fused.sub_tasks),
+    ]
+    with pytest.raises(ValueError, match="no forward of stage 0 was measured on its own"):
+        mpmd.Costs.from_timeline(mpmd.Timeline(1, events), 2)
