@@ -387,4 +387,6 @@ class runtime:
             unshard: Callable[[int], None] | None = None,
             replay_rng: bool = True,
         ) -> None: ...
+        # (kind, stage, microbatch, start_ns, end_ns, waited_ns, held_bytes,
+        # kept_bytes); a fused task's kind is its action, '(0F3;3B1)OVERLAP_F_B'.
         def records(self) -> list[tuple[str, int, int, int, int, int, int, int]]: ...
