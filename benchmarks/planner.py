@@ -72,6 +72,8 @@ def _stage_means(timelines: list[mpmd.Timeline]) -> dict[str, float]:
     sums: dict[str, list[float]] = defaultdict(list)
     for tl in timelines:
         for e in tl.tasks:
+            if e.is_fused:  # F and B as one: not a time of its first part's kind
+                continue
             sums[f"{e.kind}{e.stage}"].append(e.duration)
     return {k: statistics.fmean(v) for k, v in sums.items()}
 

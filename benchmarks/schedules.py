@@ -67,10 +67,12 @@ def parse_args() -> argparse.Namespace:
 
 
 def stage_means(timelines: list[mpmd.Timeline]) -> dict[tuple[int, str], float]:
-    """Mean duration of each (stage, task kind) over the timelines' tasks."""
+    """Mean duration of each (stage, task kind) over the timelines' simple tasks."""
     sums: dict[tuple[int, str], list[float]] = defaultdict(list)
     for tl in timelines:
         for e in tl.tasks:
+            if e.is_fused:  # F and B as one: not a time of its first part's kind
+                continue
             sums[(e.stage, e.kind)].append(e.duration)
     return {k: statistics.fmean(v) for k, v in sums.items()}
 

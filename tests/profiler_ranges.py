@@ -2,11 +2,13 @@
 tests/unit/runtime/test_profiler_ranges.py and tests/distributed.
 
 Each rank's thread holds exactly one range per task of the rank's program,
-named as errors name tasks (`F(stage=0, mb=1)`), in program order, one after
-another, each holding the ops the task ran; a range for each wait on a
-receive (`wait recv(act 'h', mb=1, from rank 0)`, `wait recv(grad ...)`,
-`wait recv(tied grad #0, from rank 1)`), outside every task's range; and a
-range per tied-gradient sum (`REDUCE_tied(p0)`).
+named as errors name tasks (`F(stage=0, mb=1)`, a fused task
+`F(stage=0, mb=3)+B(stage=3, mb=1)`), in program order, one after another,
+each holding the ops the task ran; a range for each wait on a receive
+(`wait recv(act 'h', mb=1, from rank 0)`, `wait recv(grad ...)`,
+`wait recv(tied grad #0, from rank 1)`), outside every task's range but for
+a fused task's waits for its later parts' inputs; and a range per
+tied-gradient sum (`REDUCE_tied(p0)`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Any
 
 from torchmpmd.schedule.program import Program
 
-TASK = re.compile(r"^([A-Z])\(stage=(\d+), mb=(\d+)\)$")
+# A task, or a fused task: its parts' names joined by '+'.
+TASK = re.compile(r"^[A-Z]\(stage=\d+, mb=\d+\)(\+[A-Z]\(stage=\d+, mb=\d+\))*$")
 WAIT = re.compile(
     r"^wait recv\((?:(act|grad) '([^']+)', mb=(\d+)|tied grad #(\d+)), from rank (\d+)\)$"
 )
@@ -28,7 +31,7 @@ RECV = re.compile(r"^RECV_(act|grad|tied)\(v(\d+) mb(-?\d+) <-r(\d+) #\d+\)$")
 
 
 def task_name(task: Any) -> str:
-    return f"{task.kind}(stage={task.stage}, mb={task.microbatch})"
+    return "+".join(f"{p.kind}(stage={p.stage}, mb={p.microbatch})" for p in task.parts)
 
 
 def expected_waits(program: Program, rank: int) -> Counter[tuple[str, int, int]]:
@@ -80,8 +83,18 @@ def check_rank(ranges: list[Any], program: Program, rank: int) -> dict[str, int]
     assert Counter(wait_key(e.name) for e in waits) == expected_waits(program, rank)
     instructions = program.instructions(rank)
     assert len(reduces) == sum(i.startswith("REDUCE_tied(") for i in instructions)
-    # One after another: no range inside another (a wait is not part of its task).
-    for a, b in itertools.pairwise(ranges):
+    # One after another: no range inside another (a wait is not part of its
+    # task), but a fused task's waits for its later parts' inputs, inside it.
+    fused = [e for e in tasks if "+" in e.name]
+
+    def in_fused(e: Any) -> bool:
+        return any(
+            f.time_range.start <= e.time_range.start and e.time_range.end <= f.time_range.end
+            for f in fused
+        )
+
+    later = {id(e) for e in waits if in_fused(e)}
+    for a, b in itertools.pairwise(e for e in ranges if id(e) not in later):
         assert a.time_range.end <= b.time_range.start, (a.name, b.name)
     # A task's range holds the ops it ran.
     for e in tasks:

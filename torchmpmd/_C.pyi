@@ -124,15 +124,21 @@ class schedule:
     def task_kind_table() -> list[schedule.TaskKindInfo]: ...
 
     class Task:
+        # A fused task answers its first part's kind, stage and microbatch.
         kind: schedule.TaskKind
         stage: int
         microbatch: int
+        parts: list[schedule.Task]  # a fused task's parts; [] for a simple task
         def __init__(self, kind: schedule.TaskKind, stage: int, microbatch: int) -> None: ...
 
+    @staticmethod
+    def fuse(parts: Sequence[schedule.Task]) -> schedule.Task: ...
     @staticmethod
     def to_action(task: schedule.Task) -> str: ...
     @staticmethod
     def parse_action(text: str) -> schedule.Task: ...
+    @staticmethod
+    def fused_cost_key(task: schedule.Task) -> str: ...
 
     class Edge:
         value: int
@@ -189,6 +195,7 @@ class schedule:
 
     class Costs:
         time: list[list[float]]
+        fused_time: dict[str, float]  # by fused_cost_key: '0F;3B'
         activation_bytes: list[int]
         weight_grad_bytes: list[int]
         unshard: list[float]
@@ -380,4 +387,6 @@ class runtime:
             unshard: Callable[[int], None] | None = None,
             replay_rng: bool = True,
         ) -> None: ...
+        # (kind, stage, microbatch, start_ns, end_ns, waited_ns, held_bytes,
+        # kept_bytes); a fused task's kind is its action, '(0F3;3B1)OVERLAP_F_B'.
         def records(self) -> list[tuple[str, int, int, int, int, int, int, int]]: ...

@@ -260,10 +260,13 @@ void bind_runtime(py::module_ m) {
                                    int64_t, int64_t, int64_t, int64_t>>
                 out;
             for (const auto& r : e.records()) {
+              // A fused task by its action, "(0F3;1B2)OVERLAP_F_B".
               const std::string kind =
-                  r.op == schedule::Op::kCompute
-                      ? std::string(1, schedule::kind_letter(r.task.kind))
-                      : std::string(schedule::collective_name(r.op));
+                  r.op != schedule::Op::kCompute
+                      ? std::string(schedule::collective_name(r.op))
+                  : r.task.fused()
+                      ? schedule::to_action(r.task)
+                      : std::string(1, schedule::kind_letter(r.task.kind));
               out.emplace_back(kind, r.task.stage, r.task.microbatch,
                                r.start_ns, r.end_ns, r.waited_ns, r.held_bytes,
                                r.kept_bytes);
@@ -273,7 +276,9 @@ void bind_runtime(py::module_ m) {
           "The tasks of the last run: (kind, stage, microbatch, start_ns, "
           "end_ns, waited_ns, held_bytes, kept_bytes); bytes -1 when not "
           "measured. Data-parallel collectives have kind 'unshard' or "
-          "'reduce_grads' and microbatch -1.");
+          "'reduce_grads' and microbatch -1; a fused task has one record, "
+          "with its action as kind ('(0F3;1B2)OVERLAP_F_B'), its first "
+          "part's stage and microbatch, and kept_bytes -1.");
 
   py::class_<ProfilerContext>(
       m, "ProfilerContext",

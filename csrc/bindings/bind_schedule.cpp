@@ -67,10 +67,17 @@ void bind_schedule(py::module_ m) {
       .def_readonly("kind", &Task::kind)
       .def_readonly("stage", &Task::stage)
       .def_readonly("microbatch", &Task::microbatch)
+      .def_readonly("parts", &Task::parts,
+                    "A fused task's parts, in order; empty for a simple task.")
       .def("__repr__", [](const Task& t) { return to_string(t); });
 
+  m.def("fuse", &fuse, py::arg("parts"),
+        "A fused task of simple tasks, run in this order as one step.");
   m.def("to_action", &to_action, py::arg("task"));
   m.def("parse_action", &parse_action, py::arg("text"));
+  m.def("fused_cost_key", &fused_cost_key, py::arg("task"),
+        "A fused task's key in Costs.fused_time: its parts' stages and "
+        "kinds, '0F;3B'.");
 
   py::class_<Edge>(m, "Edge")
       .def(py::init([](int32_t value, int32_t src, int32_t dst, int64_t bytes,
@@ -147,6 +154,9 @@ void bind_schedule(py::module_ m) {
                   py::arg("input_grad") = 1.0, py::arg("weight_grad") = 1.0)
       .def_readwrite("time", &Costs::time,
                      "Per task kind (enum order), per stage: a task's time.")
+      .def_readwrite("fused_time", &Costs::fused_time,
+                     "Measured times of fused tasks by fused_cost_key(); "
+                     "others take the sum of their parts'.")
       .def_readwrite("activation_bytes", &Costs::activation_bytes)
       .def_readwrite("weight_grad_bytes", &Costs::weight_grad_bytes)
       .def_readwrite("unshard", &Costs::unshard)

@@ -51,14 +51,34 @@ Executor::Executor(int32_t rank, const schedule::Program& program,
     }
     if (ins.op == Op::kReduceTied) reduced_tied_.push_back(ins.value);
     if (ins.op == Op::kCompute) {
-      task_fn(ins.task.kind);  // fail early
-      if (schedule::info(ins.task.kind).recomputes) {
-        recomputed_.emplace(ins.task.stage, ins.task.microbatch);
+      for (const Task& part : ins.task.simple_parts()) {
+        task_fn(part.kind);  // fail early
+        if (schedule::info(part.kind).recomputes) {
+          recomputed_.emplace(part.stage, part.microbatch);
+        }
       }
     }
     if (ins.op != Op::kRecv) continue;
     const size_t reader = first_reader(code_, i);
-    if (reader < code_.size()) needs_[reader].push_back(i);
+    if (reader >= code_.size()) continue;
+    // A fused task waits for each part's receives right before that part
+    // (as the simulator runs it): its first part's before it starts.
+    const Task& task = code_[reader].task;
+    size_t part = 0;
+    if (code_[reader].op == Op::kCompute && task.fused()) {
+      while (part < task.parts.size() &&
+             !schedule::reads(task.parts[part], ins)) {
+        ++part;
+      }
+      TORCH_INTERNAL_ASSERT(part < task.parts.size());
+    }
+    if (part == 0) {
+      needs_[reader].push_back(i);
+    } else {
+      auto& later = later_needs_[reader];
+      later.resize(task.parts.size());
+      later[part].push_back(i);
+    }
   }
   for (const auto& [v, n] : local_consumers) {
     if (program_.rank_of(producer.at(v)) == rank_) {
@@ -98,6 +118,12 @@ void Executor::find_replies() {
     }
     if (j == theirs.size()) continue;
     size_t m = first_reader(theirs, j) + 1;
+    // Sends right after a fused task leave between its parts, maybe before
+    // the part that reads ours: no proof.
+    while (m < theirs.size() && theirs[m].op == Op::kSend &&
+           theirs[m].part >= 0) {
+      ++m;
+    }
     while (m < theirs.size() &&
            !(theirs[m].op == Op::kSend && theirs[m].peer == rank_)) {
       ++m;
@@ -167,7 +193,7 @@ void Executor::execute(size_t pc, State& st) {
   const Instruction& ins = code_[pc];
   switch (ins.op) {
     case Op::kSend:
-      send(ins, st);
+      if (!st.issued[pc]) send(ins, st);  // else sent after a fused part
       st.issued[pc] = true;
       return;
     case Op::kRecv:
@@ -192,8 +218,59 @@ void Executor::execute(size_t pc, State& st) {
   }
   const size_t device_start = st.device ? st.device->mark() : 0;
   const Task& task = ins.task;
-  const HeldMemory::Owner owner{task.stage, task.microbatch};
-  const auto& kind = schedule::info(task.kind);
+  const auto later = later_needs_.find(pc);
+  if (later != later_needs_.end()) {
+    // Its later parts' receives are posted now, before any of its sends
+    // leaves: a pair-ordered transport sees them in program order.
+    for (const auto& part : later->second) {
+      for (const size_t r : part) {
+        if (!st.issued[r]) post_recv(r, st);
+      }
+    }
+  }
+  int64_t kept = -1;
+  {
+    // The task's range in torch.profiler, named as errors name it; on a
+    // device it holds the launches of the task's work. A fused task is one
+    // range and one record: its parts run in order inside them, each after
+    // the receives it reads (their waits inside its range) and followed by
+    // the sends of what it produced (Instruction::part), as simulate() has
+    // it.
+    const ProfilerRange range([&] { return schedule::to_string(task); });
+    const schedule::Task::Parts parts = task.simple_parts();
+    for (size_t k = 0; k < parts.size(); ++k) {
+      if (later != later_needs_.end()) {
+        for (const size_t r : later->second.at(k)) wait_recv(r, st, ins);
+      }
+      kept = run_part(task, parts.begin()[k], st);
+      for (size_t j = pc + 1;
+           task.fused() && j < code_.size() && code_[j].op == Op::kSend; ++j) {
+        if (code_[j].part != static_cast<int32_t>(k)) continue;
+        send(code_[j], st);
+        st.issued[j] = true;
+      }
+    }
+  }
+  const auto end = Clock::now();
+  if (st.device) st.device_marks.emplace_back(device_start, st.device->mark());
+  // A fused task's parts keep for different (stage, microbatch): its
+  // record gives what every stage holds, not one part's share.
+  if (task.fused()) kept = -1;
+  const int64_t held = st.memory ? st.memory->sample() : -1;
+  records_.push_back(
+      {ins.task, Op::kCompute,
+       std::chrono::duration_cast<std::chrono::nanoseconds>(start - st.t0)
+           .count(),
+       std::chrono::duration_cast<std::chrono::nanoseconds>(end - st.t0)
+           .count(),
+       std::chrono::duration_cast<std::chrono::nanoseconds>(start - wait_start)
+           .count(),
+       held, kept});
+}
+
+int64_t Executor::run_part(const Task& task, const Task& part, State& st) {
+  const HeldMemory::Owner owner{part.stage, part.microbatch};
+  const auto& kind = schedule::info(part.kind);
   int64_t kept = -1;
   if (st.memory) {
     st.memory->sample();
@@ -205,34 +282,22 @@ void Executor::execute(size_t pc, State& st) {
     if (keeps) st.memory->own(owner);
   }
   try {
-    // The task's range in torch.profiler, named as errors name it; on a
-    // device it holds the launches of the task's work.
-    const ProfilerRange range([&] { return schedule::to_string(task); });
-    (this->*task_fn(ins.task.kind))(ins.task, st);
+    (this->*task_fn(part.kind))(part, st);
   } catch (const ExecutorError&) {
     throw;
   } catch (const std::exception& e) {
+    const std::string what =
+        task.fused() ? c10::str(schedule::to_string(part), " (part of fused ",
+                                schedule::to_action(task), ")")
+                     : schedule::to_string(part);
     throw ExecutorError("torchmpmd: rank " + std::to_string(rank_) + ": " +
-                        schedule::to_string(ins.task) +
-                        " failed: " + message_of(e));
+                        what + " failed: " + message_of(e));
   }
-  const auto end = Clock::now();
-  if (st.device) st.device_marks.emplace_back(device_start, st.device->mark());
-  int64_t held = -1;
   if (st.memory) {
     st.memory->own(std::nullopt);
     if (!kind.backward) kept = st.memory->of(owner);
-    held = st.memory->sample();
   }
-  records_.push_back(
-      {ins.task, Op::kCompute,
-       std::chrono::duration_cast<std::chrono::nanoseconds>(start - st.t0)
-           .count(),
-       std::chrono::duration_cast<std::chrono::nanoseconds>(end - st.t0)
-           .count(),
-       std::chrono::duration_cast<std::chrono::nanoseconds>(start - wait_start)
-           .count(),
-       held, kept});
+  return kept;
 }
 
 void Executor::collective(const Instruction& ins, State& st) {

@@ -13,7 +13,9 @@
 // stores keyed by (value or stage, microbatch) and are freed at their last
 // use; nothing survives into the next step. Every wait has the timeout of
 // the options and fails with an error that names this rank, the peer, the
-// stage, the microbatch and the task.
+// stage, the microbatch and the task. A fused task runs its parts in order as
+// one task (one record, one profiler range): each part after the receives it
+// reads, its sends right after it.
 //
 // Not thread-safe: one executor per rank, driven by one thread.
 #pragma once
@@ -114,6 +116,7 @@ struct ExecutorOptions {
 // A task as it ran: nanoseconds since the step started (on a device, as
 // the device ran it, from events recorded around the task on its stream).
 struct TaskRecord {
+  // A fused task has one record covering its parts.
   schedule::Task task;
   // kCompute: a task; kUnshard / kReduceGrads: a data-parallel collective of
   // stage task.stage (microbatch -1).
@@ -124,7 +127,7 @@ struct TaskRecord {
   // With ExecutorOptions::measure_memory, else -1. held: the bytes every
   // local stage held for its backward right after this task. kept: what the
   // task's (stage, microbatch) held: after F or R, what the forward left;
-  // before B, I or W, what it kept until then.
+  // before B, I or W, what it kept until then (-1 for a fused task).
   int64_t held_bytes = -1;
   int64_t kept_bytes = -1;
 };
@@ -166,6 +169,11 @@ class Executor {
   using TaskFn = void (Executor::*)(const schedule::Task&, State&);
   static TaskFn task_fn(schedule::TaskKind kind);
   void execute(size_t pc, State& st);
+  // Runs the simple task `part` (`task` itself, or one of its parts if it is
+  // fused); with memory measured, returns what its (stage, microbatch) kept
+  // (else -1). Errors name the part and the fused task.
+  int64_t run_part(const schedule::Task& task, const schedule::Task& part,
+                   State& st);
   void post_early(size_t pc, State& st);
   void post_recv(size_t index, State& st);
   void wait_recv(size_t index, State& st, const schedule::Instruction& user);
@@ -218,6 +226,9 @@ class Executor {
   // the receives it waits on; for each value, how many local readers one
   // microbatch's activation has, and how many gradient parts it collects.
   std::vector<std::vector<size_t>> needs_;
+  // Fused tasks: per part, the receives it waits on right before it runs
+  // (part 0's are in needs_).
+  std::map<size_t, std::vector<std::vector<size_t>>> later_needs_;
   std::map<int32_t, int32_t> activation_uses_;
   std::map<int32_t, int32_t> grad_parts_expected_;
   // (stage, microbatch) with a recompute task: their forward keeps only its

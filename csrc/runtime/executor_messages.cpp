@@ -87,8 +87,18 @@ void Executor::wait_recv(size_t index, State& st, const Instruction& user) {
       // From here it is the reading stage's input (kept if its backward
       // needs it), no longer a posted receive.
       if (st.memory && user.op == Op::kCompute) {
+        // The part of a fused task that reads it.
+        int32_t reader = user.task.stage;
+        for (const Task& part : user.task.simple_parts()) {
+          if (schedule::info(part.kind).reads_activations &&
+              part.microbatch == ins.microbatch &&
+              std::count(ins.stages.begin(), ins.stages.end(), part.stage)) {
+            reader = part.stage;
+            break;
+          }
+        }
         st.memory->adopt(buffer.storage().data_ptr().get(),
-                         {user.task.stage, ins.microbatch});
+                         {reader, ins.microbatch});
       }
       st.acts[{ins.value, ins.microbatch}] = {
           buffer, static_cast<int32_t>(ins.stages.size())};

@@ -1,9 +1,46 @@
 #include "schedule/costs.h"
 
+#include <cctype>
+
 #include "schedule/task.h"
 #include "util/check.h"
 
 namespace torchmpmd::schedule {
+
+namespace {
+
+// A key of Costs::fused_time: two or more "<stage><kind>" parts joined by
+// ';', each on a stage of the pipeline.
+void check_fused_cost_key(const std::string& key, int32_t num_stages) {
+  size_t parts = 0;
+  size_t start = 0;
+  while (start <= key.size()) {
+    size_t end = key.find(';', start);
+    if (end == std::string::npos) end = key.size();
+    const std::string part = key.substr(start, end - start);
+    size_t digits = 0;
+    while (digits < part.size() &&
+           std::isdigit(static_cast<unsigned char>(part[digits]))) {
+      ++digits;
+    }
+    const bool ok = digits > 0 && digits <= 9 && digits + 1 == part.size() &&
+                    is_kind_letter(part.back());
+    MPMD_CHECK(ok, "schedule: costs.fused_time key '", key,
+               "' is not a fused task's parts: write each part as "
+               "<stage><kind> (kinds ",
+               kind_letters(), "), joined by ';', e.g. '0F;3B'");
+    const int64_t stage = std::stoll(part.substr(0, digits));
+    MPMD_CHECK(stage < num_stages, "schedule: costs.fused_time key '", key,
+               "' names stage ", stage, ", but the pipeline has stages 0..",
+               num_stages - 1);
+    ++parts;
+    start = end + 1;
+  }
+  MPMD_CHECK(parts >= 2, "schedule: costs.fused_time key '", key,
+             "' has one part; a fused task has two or more, e.g. '0F;3B'");
+}
+
+}  // namespace
 
 Costs Costs::uniform(int32_t num_stages, double forward, double backward,
                      double input_grad, double weight_grad) {
@@ -78,11 +115,27 @@ void Costs::check(int32_t num_stages) const {
     MPMD_CHECK(unsharded_bytes[s] >= 0, "schedule: unsharded_bytes of stage ",
                s, " must not be negative");
   }
+  for (const auto& [key, value] : fused_time) {
+    MPMD_CHECK(value >= 0, "schedule: the fused time of '", key,
+               "' must not be negative, got ", value);
+    check_fused_cost_key(key, num_stages);
+  }
   MPMD_CHECK(latency >= 0 && bytes_per_unit >= 0,
              "schedule: latency and bandwidth must not be negative");
 }
 
+bool Costs::has_fused_time(const Task& task) const {
+  return task.fused() && !fused_time.empty() &&
+         fused_time.count(fused_cost_key(task)) > 0;
+}
+
 double Costs::of(const Task& task) const {
+  if (task.fused()) {
+    if (has_fused_time(task)) return fused_time.at(fused_cost_key(task));
+    double sum = 0;
+    for (const Task& part : task.parts) sum += of(part);
+    return sum;
+  }
   const TaskKind charged = info(task.kind).charged_as;
   return time.at(static_cast<size_t>(charged)).at(task.stage);
 }

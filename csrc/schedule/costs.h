@@ -3,6 +3,8 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <string>
 #include <vector>
 
 namespace torchmpmd::schedule {
@@ -16,6 +18,11 @@ struct Costs {
   // stage: time[kind][stage]. A kind the table charges as another (R as F)
   // takes that kind's row; its own may stay empty.
   std::vector<std::vector<double>> time;
+  // Measured times of fused tasks, by their parts' kinds and stages in order
+  // (fused_cost_key(): "0F;3B"), whatever their microbatches. A fused task
+  // without one takes the sum of its parts' times (they run one after the
+  // other); one whose parts overlap takes less, as measured.
+  std::map<std::string, double> fused_time;
   // Bytes of activations one microbatch keeps alive on a stage from F until
   // its backward; W-only bytes are what stays after I, until W.
   std::vector<int64_t> activation_bytes;
@@ -37,8 +44,11 @@ struct Costs {
                        double backward = 2, double input_grad = 1,
                        double weight_grad = 1);
   // The cost of a task: its stage's time for the kind the task-kind table
-  // charges it as.
+  // charges it as; of a fused task, its fused_time if given, else the sum
+  // of its parts'.
   double of(const Task& task) const;
+  // Whether fused task `task` has a measured time in fused_time.
+  bool has_fused_time(const Task& task) const;
   // Time the link is busy with one message (the machine model adds latency
   // and contention).
   double wire_time(int64_t bytes) const;

@@ -40,20 +40,29 @@ bool reads(const Instruction& user, const Instruction& recv) {
   if (user.op == Op::kReduceTied) {
     return recv.payload == Payload::kTiedGrad && recv.value == user.value;
   }
-  if (user.op != Op::kCompute || recv.microbatch != user.task.microbatch) {
-    return false;
-  }
-  const Task& t = user.task;
-  const TaskKindInfo& kind = info(t.kind);
-  switch (recv.payload) {
-    case Payload::kActivation:
-      return kind.reads_activations &&
-             std::find(recv.stages.begin(), recv.stages.end(), t.stage) !=
-                 recv.stages.end();
-    case Payload::kGrad:
-      return kind.reads_grads && recv.src_stage == t.stage;
-    case Payload::kTiedGrad:
-      break;
+  return user.op == Op::kCompute && reads(user.task, recv);
+}
+
+bool reads(const Task& task, const Instruction& recv) {
+  if (recv.op != Op::kRecv) return false;
+  // A fused task reads what any of its parts reads.
+  for (const Task& t : task.simple_parts()) {
+    if (t.microbatch != recv.microbatch) continue;
+    const TaskKindInfo& kind = info(t.kind);
+    switch (recv.payload) {
+      case Payload::kActivation:
+        if (kind.reads_activations &&
+            std::find(recv.stages.begin(), recv.stages.end(), t.stage) !=
+                recv.stages.end()) {
+          return true;
+        }
+        break;
+      case Payload::kGrad:
+        if (kind.reads_grads && recv.src_stage == t.stage) return true;
+        break;
+      case Payload::kTiedGrad:
+        break;
+    }
   }
   return false;
 }

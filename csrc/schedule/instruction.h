@@ -42,6 +42,10 @@ struct Instruction {
   std::vector<int32_t> stages;
   int64_t bytes = 0;
   int64_t tag = 0;  // position in the pair's message sequence, same both ends
+  // kSend right after a fused task that runs part by part (machine.h): the
+  // index of the part whose end it leaves at; -1 otherwise (it leaves after
+  // the task).
+  int32_t part = -1;
 };
 
 std::string to_string(const Instruction& ins);
@@ -54,8 +58,10 @@ const char* collective_name(Op op);
 // receive `recv` of the same rank delivers: an activation read by a kind
 // that reads activations (F) of a consumer stage, a gradient by a kind that
 // reads gradients (B, I) of the producing stage, a tied gradient by the
-// reduce of that parameter.
+// reduce of that parameter. A fused task reads what any of its parts reads.
 bool reads(const Instruction& user, const Instruction& recv);
+// Whether a compute of `task` reads what the receive `recv` delivers.
+bool reads(const Task& task, const Instruction& recv);
 
 struct Program {
   ScheduleSpec spec;

@@ -46,7 +46,8 @@ class Lowering {
   int32_t rank_of(int32_t stage) const { return spec_.placement[stage]; }
   // Consumer stages of a value on one rank.
   std::vector<int32_t> consumers_on(int32_t value, int32_t rank) const;
-  bool deps_done(const Task& t) const;
+  // Whether every task the next task of `rank` depends on has run.
+  bool deps_done(int32_t rank) const;
   // The rank whose next task can start earliest, and when; -1 if none can.
   int32_t next_rank(double* start) const;
   // Throws the deadlock error: where each rank stopped, what it waits for.
@@ -69,6 +70,12 @@ class Lowering {
   std::vector<TiedState> tied_;
   std::vector<bool> done_;
   std::vector<int32_t> pos_;  // per rank, its next task
+  // Per rank and position: the dependencies of that task (of all its parts)
+  // as indices into done_, computed once.
+  std::vector<std::vector<std::vector<size_t>>> deps_;
+  // The part of the fused task being lowered whose messages are sent now
+  // (Instruction::part); -1 otherwise.
+  int32_t part_ = -1;
   // Per stage: whether it was unsharded yet; its tasks left that finish
   // weight gradients (the last one reduces them).
   std::vector<bool> unsharded_;
@@ -88,12 +95,24 @@ Lowering::Lowering(const PipelineGraph& graph, const ScheduleSpec& spec,
   prog_.spec = spec;
   prog_.graph = graph;
   prog_.ranks.assign(spec.num_ranks, {});
+  deps_.resize(spec.num_ranks);
+  for (int32_t r = 0; r < spec.num_ranks; ++r) {
+    for (const Task& t : spec.tasks[r]) {
+      std::vector<size_t>& deps = deps_[r].emplace_back();
+      for (const Task& dep :
+           dependencies(t, flow_, positions_, spec.forward_only)) {
+        deps.push_back(positions_.index(dep));
+      }
+    }
+  }
   if (spec.forward_only) return;
   unsharded_.assign(graph.num_stages, false);
   weight_grads_left_.assign(graph.num_stages, 0);
   for (const auto& tasks : spec.tasks) {
-    for (const Task& t : tasks) {
-      if (info(t.kind).finishes_weight_grads) ++weight_grads_left_[t.stage];
+    for (const Task& task : tasks) {
+      for (const Task& t : task.simple_parts()) {
+        if (info(t.kind).finishes_weight_grads) ++weight_grads_left_[t.stage];
+      }
     }
   }
   for (const TiedGroup& g : graph.tied) {
@@ -117,10 +136,9 @@ std::vector<int32_t> Lowering::consumers_on(int32_t value, int32_t rank) const {
   return out;
 }
 
-bool Lowering::deps_done(const Task& t) const {
-  for (const Task& dep :
-       dependencies(t, flow_, positions_, spec_.forward_only)) {
-    if (!done_[positions_.index(dep)]) return false;
+bool Lowering::deps_done(int32_t rank) const {
+  for (const size_t dep : deps_[rank][pos_[rank]]) {
+    if (!done_[dep]) return false;
   }
   return true;
 }
@@ -131,7 +149,7 @@ int32_t Lowering::next_rank(double* start) const {
   for (int32_t r = 0; r < spec_.num_ranks; ++r) {
     if (pos_[r] >= static_cast<int32_t>(spec_.tasks[r].size())) continue;
     const Task& t = spec_.tasks[r][pos_[r]];
-    if (!deps_done(t)) continue;
+    if (!deps_done(r)) continue;
     // Every message it reads was sent when the dependency that produced it
     // finished.
     const std::optional<double> ready = machine_.ready(r, compute(t));
@@ -179,6 +197,7 @@ void Lowering::message(int32_t from, int32_t to, Instruction ins) {
   ins.tag = pair_tags_[pair_key(from, to)]++;
   Instruction recv = ins;
   ins.op = Op::kSend;
+  ins.part = part_;
   ins.peer = to;
   recv.op = Op::kRecv;
   recv.peer = from;
@@ -281,16 +300,35 @@ Program Lowering::run() && {
     double start = 0;
     const int32_t r = next_rank(&start);
     if (r < 0) deadlock();
-    const Task t = spec_.tasks[r][pos_[r]++];
-    machine_.run(r, compute(t), start);
-    done_[positions_.index(t)] = true;
-    unshard_before(r, t);
-    emit(r, compute(t));
-    const TaskKindInfo& kind = info(t.kind);
-    if (kind.emits_activations) send_activations(r, t);
-    if (kind.emits_input_grads && !spec_.forward_only) send_input_grads(r, t);
-    if (kind.finishes_weight_grads) send_tied_grads(r, t);
-    reduce_grads_after(r, t);
+    // A fused task is one step: it starts once every part's inputs are
+    // there (deps_done, ready) and its parts' messages leave after it.
+    const Task& task = spec_.tasks[r][pos_[r]++];
+    for (const Task& t : task.simple_parts()) {
+      done_[positions_.index(t)] = true;
+      unshard_before(r, t);
+    }
+    emit(r, compute(task));
+    // Part by part (no measured time of its own), each part's messages
+    // leave as it ends; else all after the task (machine.h).
+    const bool by_part = machine_.runs_parts(task);
+    if (!by_part) machine_.run(r, compute(task), start);
+    const Task::Parts parts = task.simple_parts();
+    for (size_t k = 0; k < parts.size(); ++k) {
+      const Task& t = parts.begin()[k];
+      if (by_part) {
+        machine_.run(r, t, k == 0 ? start : machine_.clock(r));
+        part_ = static_cast<int32_t>(k);
+      }
+      const TaskKindInfo& kind = info(t.kind);
+      if (kind.emits_activations) send_activations(r, t);
+      if (kind.emits_input_grads && !spec_.forward_only) {
+        send_input_grads(r, t);
+      }
+      if (kind.finishes_weight_grads) send_tied_grads(r, t);
+    }
+    part_ = -1;
+    // Gradient reductions start after the whole task.
+    for (const Task& t : parts) reduce_grads_after(r, t);
   }
   for (const auto& st : tied_) {
     for (const int32_t h : st.holders) {

@@ -7,9 +7,14 @@
 // at the same point of the global order on the receiving rank. Projecting
 // that one order onto every rank means that for every pair of ranks, sends
 // and receives appear in the same order on both sides, so a program that
-// passes the simulation cannot deadlock on NCCL or Gloo. A receive's
-// position only fixes that order: the executor posts it as early as the pair
-// order allows and waits for it only when the task that reads it starts.
+// passes the simulation cannot deadlock on NCCL or Gloo. A fused task is
+// one step of that order: it starts when the inputs of all its parts have
+// arrived, so every part's receives come before it, and the messages its
+// parts produce are sent after the whole task, part by part (each part's
+// outputs are final only when the fused task ends, once its parts overlap). A
+// receive's position only fixes that order: the executor posts it as early as
+// the pair order allows and waits for it only when the task that reads it
+// starts.
 #pragma once
 
 #include "schedule/costs.h"

@@ -26,11 +26,11 @@ void Machine::post(int32_t rank, const Instruction& ins) {
   posted_.at(rank).push_back(ins);
 }
 
-std::optional<double> Machine::ready(int32_t rank,
-                                     const Instruction& ins) const {
+template <typename Reads>
+std::optional<double> Machine::arrivals(int32_t rank, Reads user) const {
   double start = clock_.at(rank);
   for (const Instruction& recv : posted_.at(rank)) {
-    if (!reads(ins, recv)) continue;
+    if (!user(recv)) continue;
     const auto it = arrival_.find({recv.peer, rank, recv.tag});
     if (it == arrival_.end()) return std::nullopt;
     start = std::max(start, it->second);
@@ -38,15 +38,36 @@ std::optional<double> Machine::ready(int32_t rank,
   return start;
 }
 
-double Machine::run(int32_t rank, const Instruction& ins, double start) {
+template <typename Reads>
+void Machine::consume(int32_t rank, Reads user) {
   auto& pending = posted_.at(rank);
-  pending.erase(
-      std::remove_if(pending.begin(), pending.end(),
-                     [&](const Instruction& recv) { return reads(ins, recv); }),
-      pending.end());
+  pending.erase(std::remove_if(pending.begin(), pending.end(), user),
+                pending.end());
+}
+
+std::optional<double> Machine::ready(int32_t rank,
+                                     const Instruction& ins) const {
+  return arrivals(rank,
+                  [&](const Instruction& recv) { return reads(ins, recv); });
+}
+
+std::optional<double> Machine::ready(int32_t rank, const Task& task) const {
+  return arrivals(rank,
+                  [&](const Instruction& recv) { return reads(task, recv); });
+}
+
+double Machine::run(int32_t rank, const Instruction& ins, double start) {
+  consume(rank, [&](const Instruction& recv) { return reads(ins, recv); });
   double end = start;
   if (ins.op == Op::kCompute) end += costs_.of(ins.task);
   if (ins.op == Op::kUnshard) end += costs_.unshard_time(ins.value);
+  clock_.at(rank) = end;
+  return end;
+}
+
+double Machine::run(int32_t rank, const Task& task, double start) {
+  consume(rank, [&](const Instruction& recv) { return reads(task, recv); });
+  const double end = start + costs_.of(task);
   clock_.at(rank) = end;
   return end;
 }

@@ -11,6 +11,16 @@
 // A data-parallel unshard blocks its rank for its cost; a gradient reduction
 // occupies the rank's collective channel (one at a time) and, with
 // `overlap_comm`, leaves the rank computing meanwhile.
+//
+// A fused task with a measured time of its own (Costs::fused_time: its
+// parts overlap) starts when the messages all its parts read have arrived,
+// takes that time, and its messages leave when it ends. Without one it runs
+// as the executor runs it now: its parts one after the other, each part's
+// messages leaving as that part ends (Instruction::part), so that it takes
+// the sum of its parts' times; simulate() starts each part once its own
+// inputs have arrived, as the executor does, and lower() orders the task
+// as one step that needs all its parts' inputs (so that overlapping them
+// cannot deadlock).
 #pragma once
 
 #include <cstdint>
@@ -37,6 +47,10 @@ class Machine {
   // When `rank` is next free.
   double clock(int32_t rank) const { return clock_.at(rank); }
   double compute_time(const Task& task) const { return costs_.of(task); }
+  // Whether `task` is fused and runs part by part (no measured time).
+  bool runs_parts(const Task& task) const {
+    return task.fused() && !costs_.has_fused_time(task);
+  }
   // Starts the send `ins` of `rank` once the rank and the link are free;
   // returns when it left and when it arrives.
   Interval send(int32_t rank, const Instruction& ins);
@@ -48,13 +62,26 @@ class Machine {
   std::optional<double> ready(int32_t rank, const Instruction& ins) const;
   // Runs the compute, tied reduce or unshard `ins` from `start` (at least
   // ready()), consuming the receives it reads; returns its end (a tied
-  // reduce takes no time).
+  // reduce takes no time). A fused task that runs_parts() is run one part
+  // at a time, each as a compute of its own.
   double run(int32_t rank, const Instruction& ins, double start);
+  // ready() and run() of a compute of the simple task `task` alone: a part
+  // of a fused task that runs part by part.
+  std::optional<double> ready(int32_t rank, const Task& task) const;
+  double run(int32_t rank, const Task& task, double start);
   // Starts the gradient reduction `ins` of `rank` once the rank and its
   // collective channel are free; returns when it runs.
   Interval reduce_grads(int32_t rank, const Instruction& ins);
 
  private:
+  // When the receives of `rank` that `user` reads have arrived (with its
+  // clock); nullopt while one has not been sent.
+  template <typename Reads>
+  std::optional<double> arrivals(int32_t rank, Reads user) const;
+  // Forgets the receives of `rank` that `user` reads (it consumed them).
+  template <typename Reads>
+  void consume(int32_t rank, Reads user);
+
   Costs costs_;
   std::vector<double> clock_;
   std::vector<double> collective_free_;                      // per rank

@@ -31,7 +31,7 @@ Timeline simulate(const Program& program, const Costs& costs) {
     e.label = collective_name(ins.op);
     e.start = start;
     e.end = end;
-    tl.events.push_back(e);
+    tl.events.push_back(std::move(e));
   };
   const auto peaks = [&](int32_t r) {
     tl.peak_activation_bytes[r] =
@@ -44,8 +44,9 @@ Timeline simulate(const Program& program, const Costs& costs) {
   std::set<std::pair<int32_t, int32_t>> recomputed;
   for (const auto& code : program.ranks) {
     for (const Instruction& ins : code) {
-      if (ins.op == Op::kCompute && info(ins.task.kind).recomputes) {
-        recomputed.emplace(ins.task.stage, ins.task.microbatch);
+      if (ins.op != Op::kCompute) continue;
+      for (const Task& t : ins.task.simple_parts()) {
+        if (info(t.kind).recomputes) recomputed.emplace(t.stage, t.microbatch);
       }
     }
   }
@@ -56,8 +57,94 @@ Timeline simulate(const Program& program, const Costs& costs) {
   std::vector<int64_t> kept_inputs(program.num_stages(), 0);
   for (const Edge& e : program.graph.edges) kept_inputs[e.dst] += e.bytes;
 
+  // What a task (or part) does to the activation memory of its rank: the
+  // table's memory effect; the peak after each part (a fused task's parts
+  // run one after the other: a forward holds its activations before a
+  // backward frees its own).
+  const auto keep = [&](int32_t r, const Task& t) {
+    // Forward-only programs keep no activations for a backward.
+    if (!program.spec.forward_only) {
+      const TaskKindInfo& kind = info(t.kind);
+      const bool again = recomputed.count({t.stage, t.microbatch}) > 0;
+      const MemoryEffect effect =
+          again ? kind.memory_if_recomputed : kind.memory;
+      const int64_t act = costs.activation_bytes[t.stage];
+      const int64_t wbytes = std::min(costs.weight_grad_bytes[t.stage], act);
+      live[r] += effect.activation * act + effect.weight_only * wbytes +
+                 effect.kept_inputs * kept_inputs[t.stage];
+    }
+    peaks(r);
+  };
+  const auto send = [&](int32_t r, const Instruction& ins) {
+    const Machine::Interval in_flight = machine.send(r, ins);
+    Event e;
+    e.kind = EventKind::kTransfer;
+    e.rank = r;
+    e.peer = ins.peer;
+    e.label = to_string(ins);
+    e.start = in_flight.start;
+    e.end = in_flight.end;
+    tl.events.push_back(std::move(e));
+  };
+
+  const auto wait = [&](int32_t r, const Task& t, double until) {
+    if (until <= machine.clock(r)) return;
+    Event e;
+    e.kind = EventKind::kWait;
+    e.rank = r;
+    e.task = t;
+    e.start = machine.clock(r);
+    e.end = until;
+    tl.events.push_back(std::move(e));
+  };
+  const auto compute = [&](int32_t r, const Task& t, double start, double end) {
+    peaks(r);
+    Event e;
+    e.kind = EventKind::kCompute;
+    e.rank = r;
+    e.task = t;
+    e.start = start;
+    e.end = end;
+    tl.events.push_back(std::move(e));
+  };
+
   size_t remaining = 0;
   for (const auto& l : program.ranks) remaining += l.size();
+  // A fused task without a measured time runs part by part, as the executor
+  // runs it now (machine.h): per rank, the part it is at, where the task
+  // started and the next of the sends after it. Each part starts once its
+  // own inputs have arrived; its sends (Instruction::part) leave as it
+  // ends. The task is one compute event, from its start to its last part's
+  // end (a wait for a later part's inputs inside it).
+  std::vector<size_t> part(R, 0);
+  std::vector<double> fused_start(R, 0.0);
+  std::vector<size_t> next_send(R, 0);
+  const auto run_part = [&](int32_t r, double start) {
+    const auto& code = program.ranks[r];
+    const Instruction& ins = code[pc[r]];
+    const size_t k = part[r];
+    wait(r, ins.task, start);
+    if (k == 0) {
+      fused_start[r] = start;
+      next_send[r] = pc[r] + 1;
+    }
+    const Task& piece = ins.task.parts[k];
+    const double end = machine.run(r, piece, start);
+    keep(r, piece);
+    while (next_send[r] < code.size() && code[next_send[r]].op == Op::kSend &&
+           code[next_send[r]].part == static_cast<int32_t>(k)) {
+      send(r, code[next_send[r]++]);
+      --remaining;
+    }
+    if (k + 1 < ins.task.parts.size()) {
+      part[r] = k + 1;
+      return;
+    }
+    compute(r, ins.task, fused_start[r], end);
+    part[r] = 0;
+    pc[r] = next_send[r];
+    --remaining;
+  };
   while (remaining > 0) {
     // Advance the rank that can make progress earliest.
     int32_t best = -1;
@@ -66,8 +153,10 @@ Timeline simulate(const Program& program, const Costs& costs) {
       if (pc[r] >= program.ranks[r].size()) continue;
       const Instruction& ins = program.ranks[r][pc[r]];
       std::optional<double> start = machine.clock(r);
-      if (ins.op == Op::kCompute || ins.op == Op::kReduceTied ||
-          ins.op == Op::kUnshard) {
+      if (ins.op == Op::kCompute && machine.runs_parts(ins.task)) {
+        start = machine.ready(r, ins.task.parts[part[r]]);
+      } else if (ins.op == Op::kCompute || ins.op == Op::kReduceTied ||
+                 ins.op == Op::kUnshard) {
         start = machine.ready(r, ins);
       }
       if (start && *start < best_time) {
@@ -79,21 +168,17 @@ Timeline simulate(const Program& program, const Costs& costs) {
                "schedule: the program cannot complete: every rank waits for "
                "a message no rank sends");
     const int32_t r = best;
+    if (program.ranks[r][pc[r]].op == Op::kCompute &&
+        machine.runs_parts(program.ranks[r][pc[r]].task)) {
+      run_part(r, best_time);
+      continue;
+    }
     const Instruction& ins = program.ranks[r][pc[r]++];
     --remaining;
     switch (ins.op) {
-      case Op::kSend: {
-        const Machine::Interval in_flight = machine.send(r, ins);
-        Event e;
-        e.kind = EventKind::kTransfer;
-        e.rank = r;
-        e.peer = ins.peer;
-        e.label = to_string(ins);
-        e.start = in_flight.start;
-        e.end = in_flight.end;
-        tl.events.push_back(e);
+      case Op::kSend:
+        send(r, ins);
         break;
-      }
       case Op::kRecv:
         machine.post(r, ins);
         break;
@@ -117,42 +202,14 @@ Timeline simulate(const Program& program, const Costs& costs) {
       }
       case Op::kCompute:
       case Op::kReduceTied: {
-        if (best_time > machine.clock(r)) {
-          Event wait;
-          wait.kind = EventKind::kWait;
-          wait.rank = r;
-          wait.task = ins.task;
-          wait.start = machine.clock(r);
-          wait.end = best_time;
-          tl.events.push_back(wait);
+        wait(r, ins.task, best_time);
+        if (ins.op == Op::kReduceTied) {
+          machine.run(r, ins, best_time);
+          break;
         }
         const double end = machine.run(r, ins, best_time);
-        if (ins.op == Op::kReduceTied) break;
-        const Task& t = ins.task;
-        // Forward-only programs keep no activations for a backward.
-        if (!program.spec.forward_only) {
-          const TaskKindInfo& kind = info(t.kind);
-          const bool again = recomputed.count({t.stage, t.microbatch}) > 0;
-          const MemoryEffect effect =
-              again ? kind.memory_if_recomputed : kind.memory;
-          const int64_t act = costs.activation_bytes[t.stage];
-          const int64_t wbytes =
-              std::min(costs.weight_grad_bytes[t.stage], act);
-          live[r] += effect.activation * act + effect.weight_only * wbytes;
-          if (again) {
-            const int64_t in = kept_inputs[t.stage];
-            if (t.kind == TaskKind::kForward) live[r] += in;
-            if (kind.finishes_weight_grads) live[r] -= in;
-          }
-        }
-        peaks(r);
-        Event e;
-        e.kind = EventKind::kCompute;
-        e.rank = r;
-        e.task = t;
-        e.start = best_time;
-        e.end = end;
-        tl.events.push_back(e);
+        for (const Task& t : ins.task.simple_parts()) keep(r, t);
+        compute(r, ins.task, best_time, end);
         break;
       }
     }

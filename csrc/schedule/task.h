@@ -1,6 +1,9 @@
 // Tasks: the unit a schedule orders. A schedule is, per rank, an ordered list
 // of tasks (JaxPP's model), each one piece of work (a kind of task_kinds.h)
-// of one stage on one microbatch.
+// of one stage on one microbatch, or a fused (composite) task: two or more
+// such simple tasks of one rank that run as one step (torch's OVERLAP_F_B
+// action with sub-actions, JaxPP's FusedTask), as DualPipeV pairs a forward
+// with a backward.
 #pragma once
 
 #include <cstdint>
@@ -13,27 +16,69 @@
 namespace torchmpmd::schedule {
 
 struct Task {
+  // A simple task: its kind, stage and microbatch. A fused task answers its
+  // first part's, so that what needs only a representative (the rank, a
+  // position) works on it; whatever acts on what a task computes (its
+  // dependencies, messages, cost, memory, execution) iterates simple_parts().
   TaskKind kind = TaskKind::kForward;
   int32_t stage = 0;
   int32_t microbatch = 0;
+  // A fused task's parts, simple tasks in the order they run; empty for a
+  // simple task. Build fused tasks with fuse().
+  std::vector<Task> parts;
+
+  Task() = default;
+  Task(TaskKind kind_, int32_t stage_, int32_t microbatch_)
+      : kind(kind_), stage(stage_), microbatch(microbatch_) {}
+
+  bool fused() const { return !parts.empty(); }
+  // The simple tasks it runs: its parts, or itself alone. Valid while the
+  // task lives and is not changed.
+  struct Parts {
+    const Task* first;
+    const Task* last;
+    const Task* begin() const { return first; }
+    const Task* end() const { return last; }
+    size_t size() const { return static_cast<size_t>(last - first); }
+  };
+  Parts simple_parts() const {
+    if (parts.empty()) return {this, this + 1};
+    return {parts.data(), parts.data() + parts.size()};
+  }
 
   bool operator==(const Task& o) const {
-    return kind == o.kind && stage == o.stage && microbatch == o.microbatch;
+    return kind == o.kind && stage == o.stage && microbatch == o.microbatch &&
+           parts == o.parts;
   }
   bool operator!=(const Task& o) const { return !(*this == o); }
   bool operator<(const Task& o) const {
-    return std::tie(stage, microbatch, kind) <
-           std::tie(o.stage, o.microbatch, o.kind);
+    return std::tie(stage, microbatch, kind, parts) <
+           std::tie(o.stage, o.microbatch, o.kind, o.parts);
   }
   bool is_backward() const { return info(kind).backward; }
 };
 
-// "F(stage=2, mb=5)": for messages.
+// A fused task of `parts`, run in that order. Throws torchmpmd::Error when
+// it has fewer than two parts or a part is fused itself; the schedule's
+// validation checks the rest (placement, dependencies between the parts).
+Task fuse(std::vector<Task> parts);
+
+// torch's computation type of an action with sub-actions.
+constexpr const char* kFusedActionType = "OVERLAP_F_B";
+
+// "F(stage=2, mb=5)", fused "F(stage=2, mb=5)+B(stage=3, mb=1)": for
+// messages and profiler ranges.
 std::string to_string(const Task& task);
-// "2F5": torch.distributed.pipelining's action format (stage, kind, mb).
+// "2F5": torch.distributed.pipelining's action format (stage, kind, mb); a
+// fused task as torch writes an action with sub-actions:
+// "(2F5;3B1)OVERLAP_F_B".
 std::string to_action(const Task& task);
-// Parses "2F5"; throws torchmpmd::Error naming the text when malformed.
+// Parses either form; throws torchmpmd::Error naming the text when
+// malformed.
 Task parse_action(const std::string& text);
+// A fused task's parts by kind and stage, without microbatches ("0F;3B"):
+// the key of its measured time in Costs::fused_time.
+std::string fused_cost_key(const Task& task);
 
 // What a stage's data parallelism does around its tasks of a training step,
 // as torch.distributed.pipelining's UNSHARD / RESHARD / REDUCE_GRAD actions:

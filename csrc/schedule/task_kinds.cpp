@@ -24,11 +24,12 @@ std::vector<TaskKindInfo> make_table() {
   f.in_forward_only = true;
   f.reads_activations = true;
   f.emits_activations = true;
-  f.memory = {+1, 0};
+  f.memory = {+1, 0, 0};
   // A recomputed forward keeps only its inputs: the simulator charges the
   // activations the stage received, from its forward to the end of its
-  // backward (simulate.cpp), not a share of the stage's activations.
-  f.memory_if_recomputed = {0, 0};
+  // backward (the task that finishes its weight gradients), not a share of
+  // the stage's activations.
+  f.memory_if_recomputed = {0, 0, +1};
   table.push_back(f);
 
   TaskKindInfo b = row(TaskKind::kBackward, 'B', "backward");
@@ -41,7 +42,8 @@ std::vector<TaskKindInfo> make_table() {
   b.reads_grads = true;
   b.emits_input_grads = true;
   b.finishes_weight_grads = true;
-  b.memory = b.memory_if_recomputed = {-1, 0};
+  b.memory = {-1, 0, 0};
+  b.memory_if_recomputed = {-1, 0, -1};
   table.push_back(b);
 
   TaskKindInfo i = row(TaskKind::kInputGrad, 'I', "input grad");
@@ -51,7 +53,7 @@ std::vector<TaskKindInfo> make_table() {
   i.backward_parts = kInputGradPart;
   i.reads_grads = true;
   i.emits_input_grads = true;
-  i.memory = i.memory_if_recomputed = {-1, +1};
+  i.memory = i.memory_if_recomputed = {-1, +1, 0};
   table.push_back(i);
 
   TaskKindInfo w = row(TaskKind::kWeightGrad, 'W', "weight grad");
@@ -60,14 +62,15 @@ std::vector<TaskKindInfo> make_table() {
   w.backward = true;
   w.backward_parts = kWeightGradPart;
   w.finishes_weight_grads = true;
-  w.memory = w.memory_if_recomputed = {0, -1};
+  w.memory = {0, -1, 0};
+  w.memory_if_recomputed = {0, -1, -1};
   table.push_back(w);
 
   TaskKindInfo r = row(TaskKind::kRecompute, 'R', "recompute");
   r.charged_as = TaskKind::kForward;
   r.needs = {{Need::kOwn, TaskKind::kForward}};
   r.recomputes = true;
-  r.memory = r.memory_if_recomputed = {+1, 0};
+  r.memory = r.memory_if_recomputed = {+1, 0, 0};
   table.push_back(r);
 
   for (size_t k = 0; k < table.size(); ++k) {

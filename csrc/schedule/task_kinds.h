@@ -1,8 +1,13 @@
 // The task kinds, in one table: per kind its letter, what it needs before it
 // can start, which messages it reads and emits, which cost it takes and what
 // it does to the activation memory of its rank. Validation, lowering,
-// simulation, the action format, the Python enum and the executor all read
-// this table instead of switching over kinds themselves.
+// simulation, the action format and the Python enum read this table instead
+// of switching over kinds themselves. Two places name kinds, each mapping
+// its own names onto the table: Costs::uniform (its forward, backward,
+// input_grad and weight_grad arguments give F, B, I and W; any other kind
+// takes its `default_cost`) and the executor (Executor::task_fn, the method
+// that runs each kind). A fused task is not a kind: it holds simple tasks
+// (task.h), and each part reads its own row.
 #pragma once
 
 #include <cstdint>
@@ -41,10 +46,13 @@ struct Dependency {
 };
 
 // Change of a rank's live activation bytes when a task ends, in units of the
-// stage's activation bytes and of its W-only bytes (what stays after I).
+// stage's activation bytes, of its W-only bytes (what stays after I) and,
+// for a recomputed (stage, microbatch), of the inputs its forward keeps for
+// the recompute (the activations the stage reads from other stages).
 struct MemoryEffect {
   int8_t activation = 0;
   int8_t weight_only = 0;
+  int8_t kept_inputs = 0;
 };
 
 // The parts of a (stage, microbatch)'s backward a kind computes. A program

@@ -85,6 +85,62 @@ std::string kind_list_of(bool whole) {
   return out;
 }
 
+// A fused task's shape: two or more parts, none fused itself.
+void check_fused(const ScheduleSpec& spec, int32_t r, int32_t i) {
+  const Task& t = spec.tasks[r][i];
+  if (!t.fused()) return;
+  MPMD_CHECK(t.parts.size() >= 2, "schedule: rank ", r, " position ", i,
+             ": fused task ", to_string(t), " has ", t.parts.size(),
+             " part; a fused task needs two or more, schedule a single task "
+             "as itself",
+             grid_for(spec, {{r, i}}));
+  for (size_t k = 0; k < t.parts.size(); ++k) {
+    MPMD_CHECK(!t.parts[k].fused(), "schedule: rank ", r, " position ", i,
+               ": part ", k + 1, " of fused task ", to_action(t),
+               " is fused itself; fused tasks do not nest, list its parts in "
+               "the outer one",
+               grid_for(spec, {{r, i}}));
+  }
+}
+
+// Where one simple task (or part of a fused one) of rank r, position i sits.
+void locate_part(const ScheduleSpec& spec, int32_t S, int32_t M, int32_t r,
+                 int32_t i, const Task& t, TaskPositions& pos) {
+  const Task& whole = spec.tasks[r][i];
+  // "task F(stage=0, mb=3)" or "part B(stage=1, mb=2) of fused task
+  // (0F3;1B2)OVERLAP_F_B"; built only for a message.
+  const auto what = [&] {
+    return whole.fused() ? detail::str_cat("part ", to_string(t),
+                                           " of fused task ", to_action(whole))
+                         : detail::str_cat("task ", to_string(t));
+  };
+  MPMD_CHECK(t.stage >= 0 && t.stage < S, "schedule: rank ", r, " position ", i,
+             ": ", what(), " names a stage outside 0..", S - 1,
+             grid_for(spec, {{r, i}}));
+  MPMD_CHECK(t.microbatch >= 0 && t.microbatch < M, "schedule: rank ", r,
+             " position ", i, ": ", what(), " names a microbatch outside 0..",
+             M - 1, grid_for(spec, {{r, i}}));
+  MPMD_CHECK(!spec.forward_only || info(t.kind).in_forward_only,
+             "schedule: rank ", r, " position ", i, ": ", what(),
+             " in a forward-only program", grid_for(spec, {{r, i}}));
+  MPMD_CHECK(spec.placement[t.stage] == r, "schedule: ",
+             whole.fused() ? detail::str_cat("rank ", r, " position ", i, ": ")
+                           : std::string(),
+             what(), " is on rank ", r, ", but stage ", t.stage,
+             " is placed on rank ", spec.placement[t.stage],
+             whole.fused() ? ": all parts of a fused task run on one rank, "
+                             "the one holding their stages"
+                           : ": all tasks of a stage run on the rank that "
+                             "holds it",
+             grid_for(spec, {{r, i}}));
+  Position& slot = pos.at(t);
+  MPMD_CHECK(!slot.present(), "schedule: task ", to_string(t),
+             " appears twice (rank ", slot.rank, " position ", slot.index,
+             " and rank ", r, " position ", i, ")",
+             grid_for(spec, {{slot.rank, slot.index}, {r, i}}));
+  slot = {r, i};
+}
+
 }  // namespace
 
 TaskPositions::TaskPositions(int32_t num_stages, int32_t num_microbatches)
@@ -98,9 +154,10 @@ size_t TaskPositions::index(const Task& t) const {
          static_cast<size_t>(t.kind);
 }
 
-std::vector<Task> dependencies(const Task& t, const Flow& flow,
-                               const TaskPositions& pos, bool forward_only) {
-  std::vector<Task> deps;
+namespace {
+
+void add_dependencies(const Task& t, const Flow& flow, const TaskPositions& pos,
+                      bool forward_only, std::vector<Task>& deps) {
   const int32_t mb = t.microbatch;
   for (const Dependency& d : info(t.kind).needs) {
     switch (d.need) {
@@ -126,6 +183,16 @@ std::vector<Task> dependencies(const Task& t, const Flow& flow,
         }
         break;
     }
+  }
+}
+
+}  // namespace
+
+std::vector<Task> dependencies(const Task& t, const Flow& flow,
+                               const TaskPositions& pos, bool forward_only) {
+  std::vector<Task> deps;
+  for (const Task& part : t.simple_parts()) {
+    add_dependencies(part, flow, pos, forward_only, deps);
   }
   std::sort(deps.begin(), deps.end());
   deps.erase(std::unique(deps.begin(), deps.end()), deps.end());
@@ -167,28 +234,10 @@ TaskPositions locate(const PipelineGraph& graph, const ScheduleSpec& spec) {
   for (int32_t r = 0; r < R; ++r) {
     const auto& list = spec.tasks[r];
     for (int32_t i = 0; i < static_cast<int32_t>(list.size()); ++i) {
-      const Task& t = list[i];
-      MPMD_CHECK(t.stage >= 0 && t.stage < S, "schedule: rank ", r,
-                 " position ", i, ": task ", to_string(t),
-                 " names a stage outside 0..", S - 1, grid_for(spec, {{r, i}}));
-      MPMD_CHECK(t.microbatch >= 0 && t.microbatch < M, "schedule: rank ", r,
-                 " position ", i, ": task ", to_string(t),
-                 " names a microbatch outside 0..", M - 1,
-                 grid_for(spec, {{r, i}}));
-      MPMD_CHECK(!spec.forward_only || info(t.kind).in_forward_only,
-                 "schedule: rank ", r, " position ", i, ": task ", to_string(t),
-                 " in a forward-only program", grid_for(spec, {{r, i}}));
-      MPMD_CHECK(spec.placement[t.stage] == r, "schedule: task ", to_string(t),
-                 " is on rank ", r, ", but stage ", t.stage,
-                 " is placed on rank ", spec.placement[t.stage],
-                 ": all tasks of a stage run on the rank that holds it",
-                 grid_for(spec, {{r, i}}));
-      Position& slot = pos.at(t);
-      MPMD_CHECK(!slot.present(), "schedule: task ", to_string(t),
-                 " appears twice (rank ", slot.rank, " position ", slot.index,
-                 " and rank ", r, " position ", i, ")",
-                 grid_for(spec, {{slot.rank, slot.index}, {r, i}}));
-      slot = {r, i};
+      check_fused(spec, r, i);
+      for (const Task& t : list[i].simple_parts()) {
+        locate_part(spec, S, M, r, i, t, pos);
+      }
     }
   }
 
@@ -212,17 +261,35 @@ void validate(const PipelineGraph& graph, const ScheduleSpec& spec) {
   for (int32_t r = 0; r < spec.num_ranks; ++r) {
     const auto& list = spec.tasks[r];
     for (int32_t i = 0; i < static_cast<int32_t>(list.size()); ++i) {
-      for (const Task& dep :
-           dependencies(list[i], flow, pos, spec.forward_only)) {
-        const Position& p = pos.at(dep);
-        MPMD_CHECK(p.present(), "schedule: ", to_string(list[i]),
-                   " depends on ", to_string(dep), ", which no rank runs",
-                   grid_for(spec, {{r, i}}));
-        MPMD_CHECK(p.rank != r || p.index < i, "schedule: rank ", r, " runs ",
-                   to_string(list[i]), " (position ", i, ") before ",
-                   to_string(dep), " (position ", p.index,
-                   "), which it depends on",
-                   grid_for(spec, {{r, i}, {r, p.index}}));
+      const Task& whole = list[i];
+      // Each part's dependencies: on earlier tasks of the rank or on other
+      // ranks, never on another part of the same fused task (its parts run
+      // as one step, all inputs there before it starts).
+      for (const Task& part : whole.simple_parts()) {
+        const auto what = [&] {
+          return whole.fused()
+                     ? detail::str_cat(to_string(part), " (part of fused ",
+                                       to_action(whole), ")")
+                     : to_string(part);
+        };
+        for (const Task& dep :
+             dependencies(part, flow, pos, spec.forward_only)) {
+          const Position& p = pos.at(dep);
+          MPMD_CHECK(p.present(), "schedule: ", what(), " depends on ",
+                     to_string(dep), ", which no rank runs",
+                     grid_for(spec, {{r, i}}));
+          MPMD_CHECK(
+              p.rank != r || p.index != i, "schedule: rank ", r, " position ",
+              i, ": fused task ", to_action(whole), " has part ",
+              to_string(part), " depending on its part ", to_string(dep),
+              "; the parts of a fused task run as one step and must "
+              "not depend on one another: schedule ",
+              to_action(dep), " as a task before it", grid_for(spec, {{r, i}}));
+          MPMD_CHECK(p.rank != r || p.index < i, "schedule: rank ", r, " runs ",
+                     what(), " (position ", i, ") before ", to_string(dep),
+                     " (position ", p.index, "), which it depends on",
+                     grid_for(spec, {{r, i}, {r, p.index}}));
+        }
       }
     }
   }

@@ -33,20 +33,24 @@ class TaskPositions {
   std::vector<Position> where_;
 };
 
-// Checks placement, task ranges, duplicates and completeness; returns where
-// every task sits. Throws torchmpmd::Error naming the tasks, with the grid.
+// Checks placement, task ranges, duplicates and completeness (each part of a
+// fused task counts as a task of its own, at the fused task's position);
+// returns where every task sits. Throws torchmpmd::Error naming the tasks, with
+// the grid.
 TaskPositions locate(const PipelineGraph& graph, const ScheduleSpec& spec);
 
 // Tasks that must finish before `t` can start, following the `needs` of its
-// kind; sorted, without duplicates.
+// kind; of a fused task, those of all its parts (it starts with every input
+// of every part there). Sorted, without duplicates.
 std::vector<Task> dependencies(const Task& t, const Flow& flow,
                                const TaskPositions& positions,
                                bool forward_only);
 
 // Checks a schedule without running it: placement, every task present exactly
 // once, tasks on the rank that holds their stage, and dependencies between
-// tasks of one rank. Throws torchmpmd::Error with the offending tasks named
-// and a per-rank grid marking the spot.
+// tasks of one rank. A fused task needs two or more parts, none fused, none
+// depending on another of its parts. Throws torchmpmd::Error with the offending
+// tasks named and a per-rank grid marking the spot.
 void validate(const PipelineGraph& graph, const ScheduleSpec& spec);
 
 }  // namespace torchmpmd::schedule

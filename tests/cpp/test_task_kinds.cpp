@@ -122,5 +122,55 @@ TEST(TaskKinds, DependenciesFollowTheTable) {
   EXPECT_EQ(schedule::dependencies(B(0, 0), flow, full, true), V{F(0, 0)});
 }
 
+TEST(TaskKinds, RecomputedForwardsKeepTheirInputsUntilTheWeightGradients) {
+  // What simulate() charges a recomputed (stage, microbatch) for the inputs
+  // its forward keeps comes from the table: the forward takes them, the
+  // kinds finishing the weight gradients (B, or W after I) give them back.
+  for (const TaskKindInfo& k : task_kinds()) {
+    const int8_t kept = k.memory_if_recomputed.kept_inputs;
+    EXPECT_EQ(k.memory.kept_inputs, 0) << k.letter;
+    if (k.finishes_weight_grads) {
+      EXPECT_EQ(kept, -1) << k.letter;
+    } else if (k.required && k.emits_activations) {
+      EXPECT_EQ(kept, +1) << k.letter;  // F
+    } else {
+      EXPECT_EQ(kept, 0) << k.letter;
+    }
+  }
+}
+
+TEST(TaskKinds, AFusedTaskIsItsPartsDependencies) {
+  // A fused task has no row of its own: each part reads its kind's.
+  const auto g = schedule::PipelineGraph::chain(2);
+  const schedule::Flow flow(g);
+  ScheduleSpec spec{2,
+                    2,
+                    {0, 1},
+                    {{F(0, 0), F(0, 1), B(0, 0), B(0, 1)},
+                     {F(1, 0), B(1, 0), F(1, 1), B(1, 1)}},
+                    false,
+                    {}};
+  const auto pos = schedule::locate(g, spec);
+  using V = std::vector<Task>;
+  EXPECT_EQ(schedule::dependencies(schedule::fuse({F(1, 1), B(1, 0)}), flow,
+                                   pos, false),
+            (V{F(0, 1), F(1, 0)}));
+  Instruction user;
+  user.task = schedule::fuse({F(1, 1), B(0, 0)});
+  Instruction act;
+  act.op = Op::kRecv;
+  act.payload = Payload::kActivation;
+  act.microbatch = 1;
+  act.stages = {1};
+  Instruction grad = act;
+  grad.payload = Payload::kGrad;
+  grad.microbatch = 0;
+  grad.src_stage = 0;
+  EXPECT_TRUE(schedule::reads(user, act));   // its F(1, 1)
+  EXPECT_TRUE(schedule::reads(user, grad));  // its B(0, 0)
+  grad.microbatch = 1;
+  EXPECT_FALSE(schedule::reads(user, grad));
+}
+
 }  // namespace
 }  // namespace torchmpmd

@@ -171,7 +171,12 @@ class CompiledPipe:
             split=self._choose_split(settings.split_backward),
             compile_options=settings.compile_options,
             selective=set(settings.selective_recompute) & set(self.local_stages),
-            recomputed={t.stage for t in self.program.tasks(self.rank) if recomputes(t.kind)},
+            recomputed={
+                p.stage
+                for t in self.program.tasks(self.rank)
+                for p in t.parts
+                if recomputes(p.kind)
+            },
             split_by_autograd=layout.rewrites_stages,
         )
         modules, specs = self.stages.modules, pipe.stage_specs
@@ -251,7 +256,9 @@ class CompiledPipe:
         return self._eval_executor
 
     def _check_recompute(self) -> None:
-        recomputed = {t.stage for t in self.program.tasks(self.rank) if recomputes(t.kind)}
+        recomputed = {
+            p.stage for t in self.program.tasks(self.rank) for p in t.parts if recomputes(p.kind)
+        }
         recomputed |= set(self._settings.selective_recompute) & set(self.local_stages)
         for s in sorted(recomputed):
             if self.pipe.stage_specs[s].updates_buffers:
@@ -268,10 +275,11 @@ class CompiledPipe:
         if settings.layout.rewrites_stages:
             return {}
         with_iw = {
-            t.stage
+            p.stage
             for r in range(self.program.num_ranks)
             for t in self.program.tasks(r)
-            if part_of_backward(t.kind)
+            for p in t.parts
+            if part_of_backward(p.kind)
         }
         found = {}
         for s in sorted(with_iw):
@@ -282,7 +290,12 @@ class CompiledPipe:
         return found
 
     def _choose_split(self, split_backward: bool | str) -> set[int]:
-        with_iw = {t.stage for t in self.program.tasks(self.rank) if part_of_backward(t.kind)}
+        with_iw = {
+            p.stage
+            for t in self.program.tasks(self.rank)
+            for p in t.parts
+            if part_of_backward(p.kind)
+        }
         if split_backward == "auto":
             return with_iw
         if split_backward is True:

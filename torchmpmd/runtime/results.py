@@ -14,6 +14,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 from .. import _C
 from ..graph.pipe import Pipe
+from ..schedule.task import Task
 from ..schedule.timeline import COLLECTIVES, Timeline, TimelineEvent
 from .checks import clip_options
 from .collective import Collective
@@ -168,23 +169,33 @@ def gather_timeline(
     totals = [timeline.peak_activation_bytes[me], *_messages(timeline, me)]
     # float64 holds nanosecond times and byte counts (< 2**53) exactly; the
     # first row carries the rank's peak and message bytes.
-    rows = torch.tensor(
-        [[*totals, 0, 0, 0, 0]]
-        + [
+    rows: list[list[float]] = [[*totals, 0, 0, 0, 0]]
+    for e in timeline.events:
+        rows.append(
             [kinds.index(e.kind), e.stage, e.microbatch, e.start, e.end, e.held_bytes, e.kept_bytes]
-            for e in timeline.events
-        ],
-        dtype=torch.float64,
-        device=device,
-    )
+        )
+        # A fused task's parts: a row each after its own, kind -1 - index.
+        rows += [[-1 - kinds.index(p.kind), p.stage, p.microbatch, 0, 0, 0, 0] for p in e.sub_tasks]
+    table = torch.tensor(rows, dtype=torch.float64, device=device)
     with collective.call("gather_timeline"):
-        gathered = all_gather(collective.transport, rows, collective.timeout, "the timelines")
+        gathered = all_gather(collective.transport, table, collective.timeout, "the timelines")
         parts = [p.cpu().tolist() for p in gathered]
-    events = [
-        TimelineEvent(rank, kinds[int(k)], int(s), int(mb), start, end, "", int(h), int(b))
-        for rank, part in enumerate(parts)
-        for k, s, mb, start, end, h, b in part[1:]
-    ]
+    events = []
+    for rank, part in enumerate(parts):
+        rest = part[1:]
+        i = 0
+        while i < len(rest):
+            k, s, mb, start, end, h, b = rest[i]
+            sub = []
+            while i + 1 < len(rest) and rest[i + 1][0] < 0:
+                i += 1
+                sub.append(Task(kinds[-1 - int(rest[i][0])], int(rest[i][1]), int(rest[i][2])))
+            i += 1
+            events.append(
+                TimelineEvent(
+                    rank, kinds[int(k)], int(s), int(mb), start, end, "", int(h), int(b), tuple(sub)
+                )
+            )
     peaks, sent, received = ([int(part[0][i]) for part in parts] for i in range(3))
     return Timeline(num_ranks, events, "measured", "s", peaks, [], sent, received)
 

@@ -221,8 +221,10 @@ class ZBV(Schedule):
 class DualPipeV(Schedule):
     """DualPipeV (DeepSeek-V3's DualPipe, cut in half): two stages per rank in a
     V; in the steady state each rank pairs the forward of one stage with the
-    backward of the other, and the tail switches to split backward (I, then W
-    to fill the bubbles). Needs at least as many microbatches as stages."""
+    backward of the other, as one fused task (`Task.fused`, torch's
+    OVERLAP_F_B; run one after the other for now), and the tail switches to
+    split backward (I, then W to fill the bubbles). Needs at least as many
+    microbatches as stages."""
 
     stages_per_rank = 2
 
@@ -259,6 +261,13 @@ class DualPipeV(Schedule):
             else:
                 seq.append(Task("B", stage, mb))
 
+        def paired(forward_stage: int, backward_stage: int) -> None:
+            # The forward of one stage and the backward of the other, one step.
+            forward(forward_stage)
+            backward(backward_stage, split=False)
+            f, b = seq.pop(-2), seq.pop()
+            seq.append(Task.fused(f, b))
+
         def weight() -> None:
             if pending_w:
                 seq.append(pending_w.pop(0))
@@ -272,15 +281,19 @@ class DualPipeV(Schedule):
             backward(up, split=True)
             weight()
             forward(up)
-        for _ in range(m - 2 * p + r + 1):
-            forward(down)  # paired: forward of one stage with backward of the other
-            backward(up, split=False)
-            forward(up)
-            backward(down, split=False)
+        for i in range(m - 2 * p + r + 1):
+            if i == 0 and r == p - 1:
+                # As torch's DualPipeV: the last rank's first pair stays
+                # apart (its stages are consecutive, the backward is ready
+                # before the forward's successor needs it).
+                forward(down)
+                backward(up, split=False)
+            else:
+                paired(down, up)
+            paired(up, down)
         for _ in range(p - r - 1):
             backward(up, split=False)
-            forward(up)
-            backward(down, split=False)
+            paired(up, down)
         split = False
         steps = r + 1
         for k in range(steps):

@@ -14,9 +14,10 @@ from typing import Any
 
 from .. import _C
 from .kinds import TABLE, WHOLE_BACKWARD
+from .task import Task, task_from_native
 from .timeline import COLLECTIVES, Timeline, TimelineEvent
 
-__all__ = ["Costs"]
+__all__ = ["Costs", "fused_key"]
 
 PerStage = float | Sequence[float]
 
@@ -78,6 +79,10 @@ class Costs:
     added to the task-kind table: `times={"A": [...]}`). Unset times are
     derived: B = 2 F (or I + W when both are given), I = W = B / 2 (or B
     minus the other), a new kind as its table row says.
+    `fused` gives measured times of fused tasks (`Task.fused`) by their
+    parts' stages and kinds, e.g. `{"0F;3B": 2.5}` for a forward of stage 0
+    fused with a backward of stage 3, whatever their microbatches; a fused
+    task without one takes the sum of its parts' times.
     `bandwidth` is bytes per time unit (0: free); `latency` per message.
     Activation bytes default to an estimate from the pipe's traced graph.
 
@@ -95,6 +100,7 @@ class Costs:
     input_grad: PerStage | None = None
     weight_grad: PerStage | None = None
     times: Mapping[str, PerStage] | None = None
+    fused: Mapping[str, float] | None = None
     activation_bytes: Sequence[int] | None = None
     weight_grad_bytes: Sequence[int] | None = None
     unshard: PerStage | None = None
@@ -145,6 +151,7 @@ class Costs:
         c.time = [
             [stage[letter] for stage in per_stage] if letter in _OWN else [] for letter in TABLE
         ]
+        c.fused_time = {str(k): float(v) for k, v in (self.fused or {}).items()}
         c.activation_bytes = [int(a) for a in acts]
         c.weight_grad_bytes = [int(x) for x in wbytes]
         c.unshard = _per_stage(self.unshard, n, "unshard") or []
@@ -167,13 +174,19 @@ class Costs:
         (B or I) started, and what I left for W. A data-parallel runner's
         unshard and reduce_grads events give those costs (their time on the
         rank: a reduction launched beside the compute counts its launch).
+        Fused tasks give `fused`, the mean time of each shape of them (their
+        parts' stages and kinds), not the times of their parts' kinds.
         """
         sums: dict[tuple[int, str], list[float]] = defaultdict(list)
         kept: dict[tuple[int, str], list[int]] = defaultdict(list)
+        fused: dict[str, list[float]] = defaultdict(list)
         for e in timeline.events:
             if e.kind in COLLECTIVES:
                 sums[(e.stage, e.kind)].append(e.duration)
         for e in timeline.tasks:
+            if e.sub_tasks:
+                fused[fused_key(e.sub_tasks)].append(e.duration)
+                continue
             sums[(e.stage, e.kind)].append(e.duration)
             info = TABLE[e.kind]
             if e.kept_bytes >= 0 and info.backward:
@@ -188,12 +201,23 @@ class Costs:
         rows: dict[str, list[float]] = {letter: [] for letter in _OWN}
         for s in range(num_stages):
             if (s, "F") not in mean:
-                raise ValueError(f"Costs.from_timeline: no forward of stage {s} was measured")
+                inside = any(f"{s}F" in key.split(";") for key in fused)
+                raise ValueError(
+                    f"Costs.from_timeline: no forward of stage {s} was measured"
+                    + (
+                        " on its own (only inside fused tasks, timed as a whole): run a step "
+                        "of a schedule without fused tasks to measure it"
+                        if inside
+                        else ""
+                    )
+                )
             for letter, value in _derive({x: mean.get((s, x)) for x in _OWN}, s).items():
                 rows[letter].append(value)
         for kind in COLLECTIVES:
             if kind not in link and any(k == kind for _, k in mean):
                 link[kind] = [mean.get((s, kind), 0.0) for s in range(num_stages)]
+        if fused and "fused" not in link:
+            link["fused"] = {k: sum(v) / len(v) for k, v in fused.items()}
         return Costs(
             forward=rows.pop("F"),
             backward=rows.pop("B"),
@@ -203,6 +227,12 @@ class Costs:
             unit=timeline.unit,
             **link,
         )
+
+
+def fused_key(parts: Sequence[Task]) -> str:
+    """The key of a fused task's time in `Costs.fused`: its parts' stages
+    and kinds, '0F;3B'."""
+    return ";".join(f"{p.stage}{p.kind}" for p in parts)
 
 
 def _kept_bytes(
@@ -225,9 +255,16 @@ def timeline_from_native(native: _C.schedule.Timeline, unit: str) -> Timeline:
     events = []
     for e in native.events:
         if e.kind == EK.compute:
+            task = task_from_native(e.task)
             events.append(
                 TimelineEvent(
-                    e.rank, e.task.kind.name, e.task.stage, e.task.microbatch, e.start, e.end
+                    e.rank,
+                    task.kind,
+                    task.stage,
+                    task.microbatch,
+                    e.start,
+                    e.end,
+                    sub_tasks=task.sub_tasks,
                 )
             )
         elif e.kind == EK.transfer:

@@ -10,7 +10,7 @@ from ..graph.format import human_bytes, table
 from ..graph.pipe import Pipe
 from . import kinds
 from .costs import Costs, timeline_from_native
-from .task import Schedule, Task, check_placement, require_schedule
+from .task import Schedule, Task, check_placement, require_schedule, task_from_native
 from .timeline import Timeline
 
 __all__ = [
@@ -140,8 +140,13 @@ def _spec(
                     f"{type(schedule).__name__}.tasks: rank {r} position {i} is "
                     f"{type(t).__name__}, not mpmd.Task"
                 )
-            if forward_only and not kinds.TABLE[t.kind].in_forward_only:
-                continue
+            if forward_only:
+                # Evaluation runs the forward parts alone (a fused task
+                # left with one part runs it as a simple task).
+                kept = [p for p in t.parts if kinds.TABLE[p.kind].in_forward_only]
+                if not kept:
+                    continue
+                t = Task.fused(*kept) if len(kept) > 1 else kept[0]
             row.append(t._native())
         native.append(row)
     return _C.schedule.ScheduleSpec(
@@ -176,9 +181,10 @@ class Program:
         return self._ranks[rank]
 
     def tasks(self, rank: int) -> list[Task]:
-        """The compute tasks of `rank`, in program order."""
+        """The compute tasks of `rank`, in program order (a fused task as one;
+        its `parts` are what it runs)."""
         return [
-            Task(i.task.kind.name, i.task.stage, i.task.microbatch)
+            task_from_native(i.task)
             for i in self._instructions(rank)
             if i.op == _C.schedule.Op.compute
         ]

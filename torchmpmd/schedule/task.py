@@ -13,21 +13,34 @@ from typing import cast
 from .. import _C
 from . import kinds
 
-__all__ = ["Schedule", "Task"]
+__all__ = ["FUSED_ACTION", "Schedule", "Task"]
 
 Kind = str
 # The task kinds the native core defines (its task-kind table), by letter.
 _KINDS = tuple(_C.schedule.TaskKind.__members__)
 
 
-@dataclass(frozen=True, slots=True)
+# torch.distributed.pipelining's computation type of an action with
+# sub-actions: a fused task is written "(2F5;3B1)OVERLAP_F_B".
+FUSED_ACTION = "OVERLAP_F_B"
+
+
+@dataclass(frozen=True, slots=True, repr=False)
 class Task:
-    """One piece of work: forward (F), full backward (B), input-grad (I) or
-    weight-grad (W) of `stage` on `microbatch`."""
+    """One piece of work: forward (F), full backward (B), input-grad (I),
+    weight-grad (W) or recompute (R) of `stage` on `microbatch`; or a fused
+    task (`Task.fused`): simple tasks of one rank run as one step.
+
+    A fused task answers its first part's `kind`, `stage` and `microbatch`
+    (so that what needs only a representative, such as the rank that runs
+    it, works unchanged); whatever acts on what a task computes iterates
+    `parts`, which is `(task,)` for a simple one."""
 
     kind: Kind
     stage: int
     microbatch: int
+    # A fused task's parts, in the order they run; () for a simple task.
+    sub_tasks: tuple[Task, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -42,21 +55,99 @@ class Task:
             # names the task in its grid; beyond int32 nothing can hold them.
             if not -(2**31) <= value < 2**31:
                 raise ValueError(f"Task {field_name} {value} is out of range (32-bit int)")
+        if not isinstance(self.sub_tasks, tuple):
+            raise TypeError(
+                f"Task sub_tasks must be a tuple of mpmd.Task, got {type(self.sub_tasks).__name__}; "
+                "build fused tasks with Task.fused(...)"
+            )
+        if self.sub_tasks:
+            _check_parts(self.sub_tasks)
+            first = self.sub_tasks[0]
+            if (self.kind, self.stage, self.microbatch) != (
+                first.kind,
+                first.stage,
+                first.microbatch,
+            ):
+                raise ValueError(
+                    f"a fused task answers its first part's kind, stage and microbatch "
+                    f"({first}), got {self.kind!r}, {self.stage}, {self.microbatch}; build "
+                    "fused tasks with Task.fused(...)"
+                )
+
+    @classmethod
+    def fused(cls, *parts: Task | str) -> Task:
+        """A fused task: `parts` (two or more simple tasks, or actions like
+        '2F5') run in this order as one step, with one timeline record and
+        one profiler range; torch.distributed.pipelining's OVERLAP_F_B action
+        with sub-actions. The schedule's validation refuses parts on stages
+        of another rank and parts that depend on one another."""
+        tasks = tuple(Task.parse(p) if isinstance(p, str) else p for p in parts)
+        _check_parts(tasks)
+        first = tasks[0]
+        return cls(first.kind, first.stage, first.microbatch, tasks)
+
+    @property
+    def is_fused(self) -> bool:
+        return bool(self.sub_tasks)
+
+    @property
+    def parts(self) -> tuple[Task, ...]:
+        """The simple tasks it runs: a fused task's parts, in order, or itself."""
+        return self.sub_tasks or (self,)
+
+    def __repr__(self) -> str:
+        if self.sub_tasks:
+            return f"Task.fused({', '.join(map(repr, self.sub_tasks))})"
+        return f"Task(kind={self.kind!r}, stage={self.stage}, microbatch={self.microbatch})"
 
     def __str__(self) -> str:
-        """torch.distributed.pipelining's action format: '2F5'."""
+        """torch.distributed.pipelining's action format: '2F5'; fused
+        '(2F5;3B1)OVERLAP_F_B'."""
+        if self.sub_tasks:
+            return f"({';'.join(map(str, self.sub_tasks))}){FUSED_ACTION}"
         return f"{self.stage}{self.kind}{self.microbatch}"
 
     @staticmethod
     def parse(text: str) -> Task:
-        """Reads an action like '2F5' (stage 2, forward, microbatch 5)."""
-        t = _C.schedule.parse_action(text.strip())
-        return Task(t.kind.name, t.stage, t.microbatch)
+        """Reads an action like '2F5' (stage 2, forward, microbatch 5), or a
+        fused one like '(2F5;3B1)OVERLAP_F_B'."""
+        if not isinstance(text, str):
+            raise TypeError(f"Task.parse reads an action string, got {type(text).__name__}")
+        return task_from_native(_C.schedule.parse_action(text.strip().replace(" ", "")))
 
     def _native(self) -> _C.schedule.Task:
+        if self.sub_tasks:
+            return _C.schedule.fuse([p._native() for p in self.sub_tasks])
         return _C.schedule.Task(
             _C.schedule.TaskKind.__members__[self.kind], self.stage, self.microbatch
         )
+
+
+def _check_parts(parts: tuple[object, ...]) -> None:
+    """Raises unless `parts` can make a fused task: two or more simple tasks."""
+    if len(parts) < 2:
+        raise ValueError(
+            f"Task.fused needs two or more parts, got {len(parts)}; schedule a single task "
+            "as itself"
+        )
+    for i, p in enumerate(parts):
+        if not isinstance(p, Task):
+            raise TypeError(
+                f"Task.fused: part {i + 1} is {p!r} ({type(p).__name__}), not an mpmd.Task "
+                "or an action like '2F5'"
+            )
+        if p.sub_tasks:
+            raise ValueError(
+                f"Task.fused: part {i + 1} ({p}) is fused itself; fused tasks do not nest, "
+                "list its parts in the outer one"
+            )
+
+
+def task_from_native(t: _C.schedule.Task) -> Task:
+    """A native task (fused or not) as an mpmd.Task."""
+    if t.parts:
+        return Task.fused(*(task_from_native(p) for p in t.parts))
+    return Task(t.kind.name, t.stage, t.microbatch)
 
 
 class Schedule:
@@ -98,7 +189,9 @@ class Schedule:
         lists = [[t if isinstance(t, Task) else Task.parse(t) for t in rank] for rank in tasks]
         ranks = check_placement(placement, "Schedule.from_lists")
         if num_microbatches is None:
-            num_microbatches = 1 + max((t.microbatch for r in lists for t in r), default=0)
+            num_microbatches = 1 + max(
+                (p.microbatch for r in lists for t in r for p in t.parts), default=0
+            )
         return _ListSchedule(lists, ranks, num_microbatches)
 
     @staticmethod
@@ -121,7 +214,7 @@ class Schedule:
         """Whether the schedule runs input- and weight-gradient tasks (I, W)
         on that many stages and ranks (its stages then split their backward)."""
         tasks = self.tasks(num_stages, num_ranks, self.num_microbatches)
-        return any(kinds.part_of_backward(t.kind) for rank in tasks for t in rank)
+        return any(kinds.part_of_backward(p.kind) for rank in tasks for t in rank for p in t.parts)
 
     def with_recompute(self, stages: Iterable[int] | None = None) -> Schedule:
         """This schedule with a recompute (R) right before each backward (B or I)
@@ -187,12 +280,19 @@ class _FullBackward(_Rewritten):
         out = []
         for rank in self._base.tasks(num_stages, num_ranks, num_microbatches):
             row = []
-            for t in rank:
-                if t.stage in chosen and kinds.part_of_backward(t.kind):
-                    if kinds.TABLE[t.kind].backward_parts != kinds.INPUT_PART:
-                        continue  # W: B computed the weight gradients already
-                    t = Task(kinds.BACKWARD, t.stage, t.microbatch)
-                row.append(t)
+            for task in rank:
+                parts = []
+                for t in task.parts:
+                    if t.stage in chosen and kinds.part_of_backward(t.kind):
+                        if kinds.TABLE[t.kind].backward_parts != kinds.INPUT_PART:
+                            continue  # W: B computed the weight gradients already
+                        t = Task(kinds.BACKWARD, t.stage, t.microbatch)
+                    parts.append(t)
+                # A fused task left with one part is that part alone.
+                if len(parts) > 1:
+                    row.append(Task.fused(*parts))
+                elif parts:
+                    row.append(parts[0])
             out.append(row)
         return out
 
@@ -225,18 +325,26 @@ class _Recompute(_Rewritten):
             )
         base = self._base.tasks(num_stages, num_ranks, num_microbatches)
         # Backwards the base schedule already recomputes keep their one R.
-        done = {(t.stage, t.microbatch) for rank in base for t in rank if kinds.recomputes(t.kind)}
+        done = {
+            (t.stage, t.microbatch)
+            for rank in base
+            for task in rank
+            for t in task.parts
+            if kinds.recomputes(t.kind)
+        }
         out = []
         for rank in base:
             row = []
-            for t in rank:
-                if (
-                    kinds.waits_for_recompute(t.kind)
-                    and (self._stages is None or t.stage in self._stages)
-                    and (t.stage, t.microbatch) not in done
-                ):
-                    row.append(Task(kinds.RECOMPUTE, t.stage, t.microbatch))
-                row.append(t)
+            for task in rank:
+                # A fused task's backward parts get theirs before it.
+                for t in task.parts:
+                    if (
+                        kinds.waits_for_recompute(t.kind)
+                        and (self._stages is None or t.stage in self._stages)
+                        and (t.stage, t.microbatch) not in done
+                    ):
+                        row.append(Task(kinds.RECOMPUTE, t.stage, t.microbatch))
+                row.append(task)
             out.append(row)
         return out
 
@@ -253,7 +361,11 @@ def recomputed_stages(schedule: Schedule, num_stages: int) -> frozenset[int]:
         return own | recomputed_stages(schedule._base, num_stages)
     if isinstance(schedule, _ListSchedule):
         return frozenset(
-            t.stage for rank in schedule._lists for t in rank if kinds.recomputes(t.kind)
+            p.stage
+            for rank in schedule._lists
+            for t in rank
+            for p in t.parts
+            if kinds.recomputes(p.kind)
         )
     return frozenset()
 

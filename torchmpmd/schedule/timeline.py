@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import _C
+from .task import Task
 
 __all__ = ["COLLECTIVES", "Timeline", "TimelineEvent"]
 
@@ -38,6 +39,9 @@ class TimelineEvent:
     # before B, I or W what it kept until then.
     held_bytes: int = -1
     kept_bytes: int = -1
+    # A fused task's parts, in order (it is one event, with its first part's
+    # kind, stage and microbatch); () for anything else.
+    sub_tasks: tuple[Task, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in _TASK_KINDS and self.kind not in _OTHER_KINDS:
@@ -60,6 +64,22 @@ class TimelineEvent:
                     f"{self!r}: {name} must be a number (seconds or cost units), got "
                     f"{value!r} ({type(value).__name__})"
                 )
+        if self.sub_tasks:
+            parts: tuple[object, ...] = self.sub_tasks
+            if len(parts) < 2 or not all(isinstance(p, Task) for p in parts):
+                raise ValueError(
+                    f"{self!r}: sub_tasks are a fused task's parts, two or more mpmd.Task"
+                )
+            first = self.sub_tasks[0]
+            if (first.kind, first.stage, first.microbatch) != (
+                self.kind,
+                self.stage,
+                self.microbatch,
+            ):
+                raise ValueError(
+                    f"{self!r}: a fused task's event has its first part's kind, stage and "
+                    f"microbatch ({first})"
+                )
 
     @property
     def duration(self) -> float:
@@ -68,6 +88,30 @@ class TimelineEvent:
     @property
     def is_task(self) -> bool:
         return self.kind not in _OTHER_KINDS
+
+    @property
+    def is_fused(self) -> bool:
+        return bool(self.sub_tasks)
+
+    @property
+    def task(self) -> Task | None:
+        """The task of a task event (fused or not); None for the others."""
+        if not self.is_task:
+            return None
+        if self.sub_tasks:
+            return Task.fused(*self.sub_tasks)
+        return Task(self.kind, self.stage, self.microbatch)
+
+    @property
+    def name(self) -> str:
+        """A task's action ('2F5', fused '(2F5;3B1)OVERLAP_F_B'); else the
+        label, or what the event is."""
+        task = self.task
+        if task is not None:
+            return str(task)
+        if self.label:
+            return self.label
+        return f"{self.kind} stage {self.stage}" if self.kind in COLLECTIVES else self.kind
 
 
 # Chrome-trace rows per rank: tasks 0, transfers 1, waits 2, collectives 3.
@@ -196,21 +240,21 @@ class Timeline:
                 {"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}}
             )
         for e in self.events:
-            name = (
-                f"{e.stage}{e.kind}{e.microbatch}"
-                if e.is_task
-                else e.label or (f"{e.kind} stage {e.stage}" if e.kind in COLLECTIVES else e.kind)
-            )
             trace.append(
                 {
-                    "name": name,
+                    "name": e.name,
                     "cat": e.kind,
                     "ph": "X",
                     "pid": e.rank,
                     "tid": 0 if e.is_task else _TRACK.get(e.kind, 2),
                     "ts": e.start * scale,
                     "dur": max(e.duration * scale, 0.0),
-                    "args": {"stage": e.stage, "microbatch": e.microbatch, "source": self.source},
+                    "args": {
+                        "stage": e.stage,
+                        "microbatch": e.microbatch,
+                        "source": self.source,
+                        **({"parts": [str(p) for p in e.sub_tasks]} if e.sub_tasks else {}),
+                    },
                 }
             )
         return {"traceEvents": trace, "displayTimeUnit": "ms"}
@@ -245,14 +289,26 @@ def from_records(
 ) -> Timeline:
     """A measured timeline of one rank from the executor's task records
     (nanoseconds since the step started), in seconds since the Unix epoch so
-    that timelines of different ranks line up."""
+    that timelines of different ranks line up. A fused task's record names
+    it by its action ('(0F3;1B2)OVERLAP_F_B'): one event with its parts."""
     origin = step_start_unix_ns / 1e9
-    events = [
-        TimelineEvent(
-            rank, kind, stage, mb, origin + start / 1e9, origin + end / 1e9, "", held, kept
+    events = []
+    for kind, stage, mb, start, end, _waited, held, kept in records:
+        parts = Task.parse(kind).parts if kind.startswith("(") else ()
+        events.append(
+            TimelineEvent(
+                rank,
+                parts[0].kind if parts else kind,
+                stage,
+                mb,
+                origin + start / 1e9,
+                origin + end / 1e9,
+                "",
+                held,
+                kept,
+                parts,
+            )
         )
-        for kind, stage, mb, start, end, _waited, held, kept in records
-    ]
     peaks, sent, received = [-1] * num_ranks, [-1] * num_ranks, [-1] * num_ranks
     peaks[rank] = peak_held_bytes
     sent[rank], received[rank] = message_bytes

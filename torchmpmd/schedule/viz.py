@@ -12,6 +12,8 @@ __all__ = ["plot"]
 
 _COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#C44E52"}
 _OTHER = "#8172B3"  # any other task kind
+# A fused task's frame around the bands of its parts.
+_FUSED_EDGE = "#222222"
 # Data-parallel collectives: a thin bar under the rank's tasks.
 _COLLECTIVE_COLORS = {"unshard": "#937860", "reduce_grads": "#8C8C8C"}
 
@@ -24,7 +26,9 @@ def plot(
     labels: bool = True,
 ) -> Any:
     """Draws one Gantt chart per timeline (rows: ranks; boxes: tasks colored by
-    kind and named '{stage}{kind}{microbatch}'; a stage's data-parallel unshard
+    kind and named '{stage}{kind}{microbatch}', a fused task framed, a band
+    per part in its kind's color, named by its parts '0F3+1B2'; a stage's
+    data-parallel unshard
     and gradient reduction as thin bars under them), stacked so that a
     predicted and a measured run of the same schedule can be compared. Saves a PNG to
     `path` if given; returns the matplotlib Figure.
@@ -82,20 +86,35 @@ def plot(
         for e in tasks:
             x0 = (e.start - start) * scale
             width = e.duration * scale
-            ax.barh(
-                e.rank,
-                width,
-                left=x0,
-                height=0.8,
-                color=_COLORS.get(e.kind, _OTHER),
-                edgecolor="white",
-                linewidth=0.5,
-            )
+            # A fused task: one band per part, in its kind's color, top to
+            # bottom in part order, framed (its parts share the interval).
+            parts = e.sub_tasks or (None,)
+            band = 0.8 / len(parts)
+            for j, part in enumerate(parts):
+                ax.barh(
+                    e.rank - 0.4 + band * (j + 0.5),
+                    width,
+                    left=x0,
+                    height=band,
+                    color=_COLORS.get(part.kind if part else e.kind, _OTHER),
+                    edgecolor="white",
+                    linewidth=0.5 if part is None else 0,
+                )
+            if e.is_fused:
+                ax.barh(
+                    e.rank,
+                    width,
+                    left=x0,
+                    height=0.8,
+                    fill=False,
+                    edgecolor=_FUSED_EDGE,
+                    linewidth=1,
+                )
             if labels and width > span / 60:
                 ax.text(
                     x0 + width / 2,
                     e.rank,
-                    f"{e.stage}{e.kind}{e.microbatch}",
+                    "+".join(str(p) for p in e.sub_tasks) if e.is_fused else e.name,
                     ha="center",
                     va="center",
                     fontsize=6,
@@ -110,11 +129,15 @@ def plot(
         ax.set_xlabel(unit)
     order = list(_COLORS)
     kinds = sorted(
-        {e.kind for t in timelines for e in t.tasks},
+        {p.kind for t in timelines for e in t.tasks for p in (e.sub_tasks or (e,))},
         key=lambda k: (order.index(k) if k in order else len(order), k),
     )
     shown = sorted({e.kind for t in timelines for e in t.events if e.kind in COLLECTIVES})
     handles = [Patch(color=_COLORS.get(k, _OTHER), label=k) for k in kinds]
+    if any(e.is_fused for t in timelines for e in t.tasks):
+        handles.append(
+            Patch(facecolor="white", edgecolor=_FUSED_EDGE, label="fused: a band per part")
+        )
     handles += [Patch(color=_COLLECTIVE_COLORS[k], label=k) for k in shown]
     fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=8)
     fig.tight_layout(rect=(0, 0, 1, 0.97))

@@ -1,7 +1,7 @@
 // libFuzzer target: arbitrary bytes become a pipeline graph and a schedule
-// (placement and per-rank task lists, mostly nonsense); validation, lowering
-// and simulation must either accept them or throw torchmpmd::Error, never
-// crash, hang or trip a sanitizer.
+// (placement and per-rank task lists, fused tasks among them, mostly
+// nonsense); validation, lowering and simulation must either accept them or
+// throw torchmpmd::Error, never crash, hang or trip a sanitizer.
 //
 //   cmake -S . -B build/fuzz -G Ninja -DCMAKE_CXX_COMPILER=clang++ \
 //         -DTORCHMPMD_FUZZ=ON -DTORCHMPMD_BUILD_TESTS=OFF
@@ -59,11 +59,33 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const uint8_t b = in.next();
     Task t{static_cast<TaskKind>(b % kNumTaskKinds), in.next() % (stages + 1),
            in.next() % (mbs + 1)};
-    spec.tasks[(b >> 2) % ranks].push_back(t);
+    auto& list = spec.tasks[(b >> 2) % ranks];
+    // Now and then fused with the rank's last task (a fused part, or a
+    // single part, now and then too: both must be refused).
+    const uint8_t f = in.next();
+    if (f % 4 != 0 || list.empty()) {
+      if (f % 64 == 1) t.parts = {t};
+      list.push_back(t);
+    } else if (!list.back().fused()) {
+      Task whole(list.back().kind, list.back().stage, list.back().microbatch);
+      whole.parts = {list.back(), t};
+      list.back() = whole;
+    } else {
+      if (f % 32 == 0) t.parts = {t, t};
+      list.back().parts.push_back(t);
+    }
   }
   try {
     graph.finalize();
-    const Costs costs = Costs::uniform(stages);
+    Costs costs = Costs::uniform(stages);
+    // Half the time, a measured time for every fused task.
+    if (size % 2 == 0) {
+      for (const auto& list : spec.tasks) {
+        for (const Task& t : list) {
+          if (t.fused()) costs.fused_time[fused_cost_key(t)] = 0.5;
+        }
+      }
+    }
     const Program program = lower(graph, spec, costs);
     const Timeline tl = simulate(program, costs);
     if (tl.step_time() < 0) __builtin_trap();

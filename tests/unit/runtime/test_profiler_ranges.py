@@ -79,12 +79,14 @@ def test_every_rank_has_one_range_per_task(schedule, kinds):
         (S.ZeroBubbleH1(M), 2, {"F", "I", "W"}),
         (S.OneFOneB(M).with_recompute(), 2, {"F", "R", "B"}),
         (S.ZBV(M), 4, {"F", "I", "W"}),
+        (S.DualPipeV(M), 4, {"F", "B", "I", "W"}),
     ],
-    ids=["ZeroBubbleH1", "OneFOneB+recompute", "ZBV"],
+    ids=["ZeroBubbleH1", "OneFOneB+recompute", "ZBV", "DualPipeV"],
 )
 def test_gpt_ranges_with_tied_gradients(schedule, num_stages, kinds):
     """The tied-embedding GPT: tied-gradient receives and their sum have
-    ranges too (ZBV holds both ends of the tie on rank 0: no sum)."""
+    ranges too (ZBV and DualPipeV hold both ends of the tie on rank 0: no
+    sum). DualPipeV's fused F+B tasks have one range each."""
     batch, target = data("gpt", M)
     counts = _check_profiled_step(
         traced("gpt", num_stages), schedule, CASES["gpt"].loss, batch, target, kinds
