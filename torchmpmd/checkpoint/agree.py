@@ -10,6 +10,13 @@ timeout, naming it, instead of leaving them in a collective. The ranks of a
 runner without a process group (`testing.LocalPipeline`) exchange their
 entries over the runner's own transport instead (world.py).
 
+This is not the runner's check-in (`runtime/checkin.py`), on purpose: that
+one is a fixed-size message between neighbouring ranks of one pipeline (or
+replica) group before every step, cheap enough for each call; this one
+gathers entries of any size from every rank of the job (ranks of several
+pipelines, which share no group of a runner's), names the ranks that never
+came from rank 0's verdict alone, and works between runners or with none.
+
 `extra` holds tensors and plain Python data only (it loads without running
 code) and, except `extra["per_rank"]`, must be equal on every rank: each rank
 posts a digest of its values and a mismatch fails every rank naming the key.

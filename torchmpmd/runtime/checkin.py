@@ -21,6 +21,9 @@ the first part that differs.
 
 Over a data-parallel group the check-in compares calls and options only: the
 replicas step on their own shards of the batch.
+
+A checkpoint's save or load checks in otherwise (`checkpoint/agree.py`):
+every rank of the job, entries of any size, over the store.
 """
 
 from __future__ import annotations
