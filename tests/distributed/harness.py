@@ -1,8 +1,12 @@
 """Runs a function on several Gloo ranks (processes) and collects results.
 
 Each rank's return value (or traceback) comes back to the test; a rank that
-outlives the deadline is killed and reported, so a hang fails the test
-instead of stalling the suite. Each rank is a fresh process, forked from a
+outlives the deadline without a result is killed and reported with its
+threads' stacks (faulthandler), so a hang fails the test instead of stalling
+the suite, and says where. A rank that delivered its result but does not
+exit within `_EXIT_GRACE` seconds (its teardown, `destroy_process_group`,
+waiting on a failed step's pending Gloo receives) is killed too; its result
+stands and `hung_at_exit` says so. Each rank is a fresh process, forked from a
 fork server that imported torch, torchmpmd and transformers once (a
 spawned rank imported them itself: 3-5 s a launch, 11-18 s for 8 ranks on
 2 cores; a fork takes a tenth of a second).
@@ -11,8 +15,11 @@ spawned rank imported them itself: 3-5 s a launch, 11-18 s for 8 ranks on
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
+import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -27,10 +34,17 @@ class RankResult:
     ok: bool
     value: Any = None  # the function's return value, or the traceback text
     exitcode: int | None = None
+    hung_at_exit: bool = False  # delivered its result, then did not exit
+
+
+# Seconds a rank that delivered its result may take to exit.
+_EXIT_GRACE = 10.0
 
 
 def _entry(fn: Callable, rank: int, world: int, store: str, queue: Any, args: tuple) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # SIGUSR1 (from run_ranks, at the deadline) prints every thread's stack.
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     import warnings
 
     # As pytest.ini's filter does in the test process: a rank that builds a
@@ -90,13 +104,23 @@ def run_ranks(fn: Callable, world: int, *args: Any, deadline: float = 300.0) -> 
         received: dict[int, tuple[bool, Any]] = {}
         # Results are read while the ranks run: a result larger than the
         # pipe's buffer blocks its rank in put() until someone reads it.
+        all_in: float | None = None  # when the last result arrived
         while any(p.is_alive() for p in procs) and time.monotonic() < end:
             while not queue.empty():
                 rank, ok, value = queue.get()
                 received[rank] = (ok, value)
+            if all_in is None and len(received) == world:
+                all_in = time.monotonic()
+            if all_in is not None and time.monotonic() > all_in + _EXIT_GRACE:
+                break
             time.sleep(0.02)
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for r in hung:
+        alive = [r for r, p in enumerate(procs) if p.is_alive()]
+        hung = [r for r in alive if r not in received]
+        for r in hung:  # where it hangs, on the test's output
+            os.kill(procs[r].pid, signal.SIGUSR1)
+        if hung:
+            time.sleep(1.0)
+        for r in alive:
             procs[r].kill()
         for p in procs:
             p.join()
@@ -105,7 +129,7 @@ def run_ranks(fn: Callable, world: int, *args: Any, deadline: float = 300.0) -> 
             received[rank] = (ok, value)
         results = {r: RankResult(r, False, "no result", procs[r].exitcode) for r in range(world)}
         for rank, (ok, value) in received.items():
-            results[rank] = RankResult(rank, ok, value, procs[rank].exitcode)
+            results[rank] = RankResult(rank, ok, value, procs[rank].exitcode, rank in alive)
     for r in hung:
         results[r] = RankResult(
             r, False, f"rank {r} still running after {deadline} s: killed", None
