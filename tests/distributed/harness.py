@@ -45,6 +45,11 @@ def _entry(fn: Callable, rank: int, world: int, store: str, queue: Any, args: tu
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # SIGUSR1 (from run_ranks, at the deadline) prints every thread's stack.
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    # Ctrl-C raises KeyboardInterrupt, as in a rank torchrun starts, even when
+    # the test run itself was started in the background of a shell without
+    # job control (which starts it with SIGINT ignored, passed on to the fork
+    # server and its ranks: a test's Ctrl-C then did nothing).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import warnings
 
     # As pytest.ini's filter does in the test process: a rank that builds a
