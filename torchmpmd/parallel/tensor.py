@@ -283,10 +283,6 @@ class TensorParallel(Parallelism):
             return Shard(1)
         return Replicate()
 
-    def local_shape(self, spec: TensorSpec) -> list[int]:
-        """The shape of each tp rank's part of a transfer (`boundary`)."""
-        return self.transfer_shape(spec, list(spec.shape))
-
     def rewrite(
         self,
         module: fx.GraphModule,
