@@ -36,7 +36,16 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from ..graph.pipe import Pipe
 from ..schedule.program import StageCollectives
-from .protocol import Asked, Kind, Parallelism, Parallelize, RankStages, not_sharded_over, register
+from .protocol import (
+    Asked,
+    Kind,
+    Parallelism,
+    Parallelize,
+    RankStages,
+    dp_dimension_missing,
+    not_sharded_over,
+    register,
+)
 from .replicate import Replicas, broadcast_from_first
 
 __all__ = ["FSDP"]
@@ -200,13 +209,7 @@ def _claim(names: tuple[str, ...] | None, left: tuple[str, ...], asked: Asked) -
         return ()
     if "dp" in left:
         return ("dp",)
-    given = "none" if names is None else f"dimensions {names}"
-    raise ValueError(
-        f"PipelineRunner: data_parallel={asked.data_parallel!r} needs a mesh with a 'dp' "
-        f"dimension (mesh=, got {given}), e.g. init_device_mesh('cpu', (pp, dp), "
-        "mesh_dim_names=('pp', 'dp')) (or torchtitan's 'dp_shard'); without data "
-        "parallelism leave data_parallel unset"
-    )
+    raise dp_dimension_missing(asked.data_parallel, names, " (or torchtitan's 'dp_shard')")
 
 
 def _make(mesh: DeviceMesh, dims: tuple[str, ...], pipe: Pipe, asked: Asked) -> FSDP:

@@ -47,6 +47,7 @@ __all__ = [
     "Parallelism",
     "Parallelize",
     "RankStages",
+    "dp_dimension_missing",
     "kinds",
     "not_sharded_over",
     "register",
@@ -207,6 +208,21 @@ def register(kind: Kind) -> None:
 def kinds() -> list[Kind]:
     """The registered parallelisms, in the order their hooks run."""
     return sorted(_KINDS.values(), key=lambda k: k.order)
+
+
+def dp_dimension_missing(
+    data_parallel: str | None, names: tuple[str, ...] | None, also: str = ""
+) -> ValueError:
+    """The refusal of a `data_parallel` option on a mesh without a data
+    dimension (`names`: the mesh's, None for no mesh; `also`: the other
+    names the option accepts, in words)."""
+    given = "none" if names is None else f"dimensions {names}"
+    return ValueError(
+        f"PipelineRunner: data_parallel={data_parallel!r} needs a mesh with a 'dp' "
+        f"dimension (mesh=, got {given}), e.g. init_device_mesh('cpu', (pp, dp), "
+        f"mesh_dim_names=('pp', 'dp')){also}; without data parallelism leave data_parallel "
+        "unset"
+    )
 
 
 def not_sharded_over(tensors: list[torch.Tensor], dims: tuple[str, ...]) -> list[torch.Tensor]:

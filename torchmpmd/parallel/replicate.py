@@ -35,7 +35,15 @@ from torch.distributed.tensor import DTensor
 
 from ..graph.pipe import Pipe
 from ..schedule.program import StageCollectives
-from .protocol import Asked, Kind, Parallelism, RankStages, not_sharded_over, register
+from .protocol import (
+    Asked,
+    Kind,
+    Parallelism,
+    RankStages,
+    dp_dimension_missing,
+    not_sharded_over,
+    register,
+)
 
 __all__ = ["Replicas", "broadcast_from_first", "local_shard"]
 
@@ -239,12 +247,7 @@ def _claim(names: tuple[str, ...] | None, left: tuple[str, ...], asked: Asked) -
     if "dp_replicate" in left and "dp_shard" not in left:
         return ("dp_replicate",)
     if asked.data_parallel is not None and "dp_shard" not in left:  # FSDP's says why
-        given = "none" if names is None else f"dimensions {names}"
-        raise ValueError(
-            f"PipelineRunner: data_parallel={asked.data_parallel!r} needs a mesh with a 'dp' "
-            f"dimension (mesh=, got {given}), e.g. init_device_mesh('cpu', (pp, dp), "
-            "mesh_dim_names=('pp', 'dp')); without data parallelism leave data_parallel unset"
-        )
+        raise dp_dimension_missing(asked.data_parallel, names)
     return ()
 
 
