@@ -19,6 +19,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from .. import _C
 from .diagnose import unsupported_input_message
+from .experts import EXPERTS_OP, checkpointed_experts_message, experts_call
 from .names import aliases_of, tensor_names
 from .pipe import Pipe, StageSpec, TensorSpec, TransferInfo, static_numel
 from .plan import Plan, StageNodes
@@ -101,6 +102,8 @@ def _recompute_flops_per_element(node: fx.Node) -> float:
 
 def _is_replicable(node: fx.Node) -> bool:
     target = node.target
+    if target is EXPERTS_OP:
+        return False  # a module's routed computation: never copied into another stage
     if node.op == "get_attr" or target is operator.getitem:
         return True
     if not isinstance(target, torch._ops.OpOverload):
@@ -403,6 +406,8 @@ class GraphBuilder:
                 else None
             )
             if region is not None:
+                if node.target is EXPERTS_OP:
+                    raise ValueError(checkpointed_experts_message(node))
                 # The region runs as one call, placed at its last op: every
                 # input comes earlier, every outside reader later.
                 if node is region[-1]:
@@ -411,6 +416,9 @@ class GraphBuilder:
             if node.op == "get_attr":
                 target = str(node.target)
                 _install(root, target, getattr(self.program.graph_module, target), True)
+            if node.target is EXPERTS_OP:
+                env[node] = experts_call(graph, root, node, env, self.model)
+                continue
             env[node] = _copy(graph, node, env)
         for update in nodes.buffer_updates:
             graph.call_function(
@@ -418,6 +426,8 @@ class GraphBuilder:
                 (written[update.buffer], env[self.nodes[update.value]]),
             )
         graph.output(tuple(env[n] for n in outputs))
+        for unused in [n for n in graph.nodes if n.op == "get_attr" and not n.users]:
+            graph.erase_node(unused)  # an experts module's, which the module reads itself
         graph.lint()
         gm = TracedStage(root, graph, class_name=f"Stage{s}")
         _fix_buffer_persistence(gm, root)

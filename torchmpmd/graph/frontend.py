@@ -26,6 +26,7 @@ from torch.export import ExportedProgram
 from .. import _C
 from .builder import GraphBuilder
 from .diagnose import ModuleTracker, host_random_message, trace_failure_message
+from .experts import experts_modules, traced_as_calls
 from .inputs import example_inputs
 from .markers import RECOMPUTE_REGION_OP, STAGE_END_OP, TRACE_LOCK, _tracing
 from .pipe import Pipe
@@ -50,6 +51,7 @@ def trace(
     *,
     split_before: Sequence[str] | None = None,
     split_after: Sequence[str] | None = None,
+    experts: Sequence[str] | None = None,
 ) -> Pipe:
     """Traces `model` on one microbatch and splits it into pipeline stages.
 
@@ -59,6 +61,11 @@ def trace(
     `num_stages=N`, which asks `torchmpmd.planner` for the split.) The
     returned `Pipe` holds one `torch.fx.GraphModule` per stage, sharing the
     model's parameters.
+
+    A mixture of experts' experts modules (`graph.experts`: found by
+    themselves, or named by `experts=["layers.*.moe.experts"]`; `[]` for
+    none) are traced as one call each and run as modules, with the routed
+    tokens' shapes of each microbatch; an expert parallelism shards them.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"mpmd.trace: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -87,7 +94,9 @@ def trace(
     with warnings.catch_warnings():
         # torch.export's own use of a deprecated pytree API (torch >= 2.13).
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-        exported = _export(model, args, kwargs)
+        exported = _export(
+            model, args, kwargs, experts_modules(model, experts), experts is not None
+        )
         functional = exported.run_decompositions({})
     graph = functional.graph_module.graph
     _restore_module_stacks(graph, exported)
@@ -136,7 +145,14 @@ def trace(
         with TRACE_LOCK, contextlib.ExitStack() as stack:
             for kind, dtype in autocast:
                 stack.enter_context(torch.autocast(kind, dtype=dtype))
-            return trace(model, args, kwargs, split_before=split_before, split_after=split_after)
+            return trace(
+                model,
+                args,
+                kwargs,
+                split_before=split_before,
+                split_after=split_after,
+                experts=experts,
+            )
 
     return builder.build_pipe(partition(stage_graph, spec), trace_again)
 
@@ -221,11 +237,15 @@ def _memory_of(value: torch.Tensor) -> tuple[str, int]:
 
 
 def _export(
-    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    model: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    experts: dict[str, torch.nn.Module],
+    named: bool,
 ) -> ExportedProgram:
     tracker = ModuleTracker(model)
     try:
-        with _tracing(), tracker.watch(), _checkpoints_marked():
+        with _tracing(), tracker.watch(), _checkpoints_marked(), traced_as_calls(experts, named):
             exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:  # re-raised with where and what to do
         raise RuntimeError(trace_failure_message(exc, tracker.stack, model)) from exc

@@ -5,7 +5,9 @@ its implementations, each registered with the dimensions it runs over:
 data parallelism by replication (`Replicas`, over "dp" or "dp_replicate":
 gradients averaged, overlapping the schedule), FSDP2 (`FSDP`, over "dp"
 with data_parallel="fsdp", "dp_shard", or both "dp_replicate" and
-"dp_shard": HSDP) and tensor parallelism (`TensorParallel`, over "tp":
+"dp_shard": HSDP), expert parallelism (`ExpertParallel`, over "ep":
+`expert.py`, a mixture of experts' experts sharded, tokens dispatched by
+all-to-all) and tensor parallelism (`TensorParallel`, over "tp":
 `tensor.py`, the plan's sharding and the stage rewrite, with
 `tensor_plan.py`, `tensor_random.py`, `tensor_grads.py`,
 `tensor_checks.py`). A parallelism of your own subclasses `Parallelism`
@@ -16,6 +18,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from .expert import ExpertParallel
 from .fsdp import FSDP
 from .layout import Layout
 from .protocol import Asked, Kind, Parallelism, RankStages, kinds, register
@@ -25,6 +28,7 @@ from .tensor import TensorParallel
 __all__ = [
     "FSDP",
     "Asked",
+    "ExpertParallel",
     "Kind",
     "Layout",
     "Parallelism",

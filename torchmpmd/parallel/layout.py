@@ -74,7 +74,7 @@ class Layout(Parallelism):
                 raise ValueError(
                     f"PipelineRunner: the mesh's dimensions are named {names}; name them after "
                     f"what runs over them: 'pp' (the pipeline, required), and any of "
-                    f"{', '.join(repr(d) for d in known[1:])} (data, hybrid-sharded data and "
+                    f"{', '.join(repr(d) for d in known[1:])} (data, hybrid-sharded data, expert and "
                     "tensor parallelism), e.g. init_device_mesh('cpu', (2, 2, 2), "
                     "mesh_dim_names=('pp', 'dp', 'tp'))"
                 )
@@ -193,6 +193,12 @@ class Layout(Parallelism):
     def after_eval(self) -> None:
         for m in self.members:
             m.after_eval()
+
+    def step_metrics(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for m in self.members:
+            out.update(m.step_metrics())
+        return out
 
 
 def _check_data_parallel(asked: Asked) -> None:

@@ -18,8 +18,9 @@ default, so an implementation writes only what it does):
 - every collective call: `on_call` (e.g. peers draw the same random numbers);
 - every training step, inside the schedule where the program has them
   (`collectives`, which the simulator and the timeline see too): `start_step`,
-  `unshard(stage)`, `reduce_grads(stage)`, `finish`; after a forward-only
-  step, `after_eval`;
+  `unshard(stage)`, `reduce_grads(stage)`, `finish`, then `step_metrics`
+  (what it measured: `StepOutput.metrics`); after a forward-only step,
+  `after_eval`;
 - after `init_weights` / `load_state_dict`: `make_equal`.
 
 Its process groups (`groups`) wait at most the runner's timeout during a
@@ -81,6 +82,7 @@ class Asked:
     tp_plan: Mapping[str, str] | None = None
     compile: object = False
     bucket_bytes: int = 25 * 2**20
+    ep_plan: Mapping[str, Any] | None = None
 
 
 class Parallelism:
@@ -173,6 +175,10 @@ class Parallelism:
 
     def after_eval(self) -> None:
         """After a forward-only step."""
+
+    def step_metrics(self) -> dict[str, Any]:
+        """What it measured in the last step (`StepOutput.metrics`), after `finish`."""
+        return {}
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,7 @@ at construction, as DDP does, and again after `init_weights` /
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -72,11 +72,20 @@ class Replicas(Parallelism):
         group: dist.ProcessGroup,
         dims: tuple[str, ...] = ("dp",),
         bucket_bytes: int = 25 * 2**20,
+        *,
+        select: Callable[[torch.nn.Parameter], bool] | None = None,
+        divisor: int | None = None,
     ) -> None:
         self._group = group
         self.dims = dims
         self.size = dist.get_world_size(group)
         self.bucket_bytes = bucket_bytes
+        # Which parameters of the stages it averages (None: all), and what
+        # their sums over the group are divided by (None: the group's size;
+        # more where the gradients are sums over more ranks than the group's:
+        # experts over the expert-parallel ranks' tokens).
+        self._select = select
+        self.divisor = divisor or self.size
         self._stage_params: dict[int, list[torch.nn.Parameter]] = {}
         self._tied: list[torch.nn.Parameter] = []
         self._buckets: list[_Bucket] = []
@@ -91,12 +100,15 @@ class Replicas(Parallelism):
         for s, module in sorted(stages.modules.items()):
             own = []
             for p in module.parameters():
-                if p.requires_grad and id(p) not in seen:
+                if p.requires_grad and id(p) not in seen and self._chosen(p):
                     seen.add(id(p))
                     own.append(p)
             self._stage_params[s] = own
-        self._tied = [p for p in _unique(stages.tied) if p.requires_grad]
+        self._tied = [p for p in _unique(stages.tied) if p.requires_grad and self._chosen(p)]
         self.bucket_bytes = stages.bucket_bytes
+
+    def _chosen(self, p: torch.nn.Parameter) -> bool:
+        return self._select is None or self._select(p)
 
     def start_equal(self, tensors: list[torch.Tensor]) -> None:
         """Replicas start from the first's tensors, as DDP's do."""
@@ -133,12 +145,17 @@ class Replicas(Parallelism):
             except RuntimeError as err:
                 failed = failed or err
             if failed is None:
-                _write_back(bucket, self.size)
+                _write_back(bucket, self.divisor)
         if failed is not None:
             raise failed
 
     def _launch(self, params: list[torch.nn.Parameter]) -> None:
         if self.size == 1:
+            if self.divisor != 1:
+                with torch.no_grad():
+                    for p in params:
+                        if p.grad is not None:
+                            local_shard(p.grad).div_(self.divisor)
             return
         for group in _buckets(params, self.bucket_bytes):
             parts = [

@@ -126,6 +126,7 @@ def trace(
     num_stages: int | None = None,
     schedule: Schedule | None = None,
     num_ranks: int | None = None,
+    experts: list[str] | None = None,
 ) -> Pipe:
     """Traces `model` on one microbatch and splits it into pipeline stages.
 
@@ -136,6 +137,9 @@ def trace(
     simulated step for `schedule` on `num_ranks` ranks (defaults: 1F1B over
     2N microbatches on N ranks). The returned `Pipe` holds one
     `torch.fx.GraphModule` per stage, sharing the model's parameters.
+    A mixture of experts' experts modules (found by themselves, or named by
+    `experts=["layers.*.moe.experts"]`) run as modules, each one call in the
+    graph (`graph.experts`).
     """
     if num_stages is None:
         if schedule is not None or num_ranks is not None:
@@ -144,7 +148,12 @@ def trace(
                 "pass num_stages=N with them, or give the schedule to the PipelineRunner"
             )
         return trace_at(
-            model, example_args, example_kwargs, split_before=split_before, split_after=split_after
+            model,
+            example_args,
+            example_kwargs,
+            split_before=split_before,
+            split_after=split_after,
+            experts=experts,
         )
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"mpmd.trace: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -161,4 +170,6 @@ def trace(
         num_ranks=num_ranks,
         example_kwargs=example_kwargs,
     )
-    return trace_at(model, example_args, example_kwargs, split_before=found.split_before)
+    return trace_at(
+        model, example_args, example_kwargs, split_before=found.split_before, experts=experts
+    )

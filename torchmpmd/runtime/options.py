@@ -76,6 +76,20 @@ class RunnerOptions:
     embedding_rowwise, replicate, sequence_parallel). Default: the model's
     own plan (a Hugging Face model's `_tp_plan`)."""
 
+    ep_plan: Mapping[str, Any] | None = None
+    """With a mesh that has an "ep" dimension: which experts modules are
+    sharded over ep (their experts split evenly, each rank holding
+    experts / ep of every layer's) and how they take their tokens, as
+    module-path patterns to styles, in Hugging Face's format
+    (`{"model.layers.*.mlp.experts": "ep_dispatch_experts"}`: called with
+    (tokens, top-k expert ids, top-k weights); `"grouped_experts"`:
+    torchtitan's `GroupedExperts`, called with (token rows sorted by expert,
+    tokens per expert), also written as torchtitan's `ExpertParallel()`;
+    parameter entries `"grouped_gemm"` are accepted). Default: the model's
+    own plan (a Hugging Face model's `base_model_ep_plan`), else every
+    experts module of the trace (`mpmd.trace(..., experts=...)`), its style
+    told by its arguments."""
+
     bucket_bytes: int = 25 * 2**20
     """Largest data-parallel gradient bucket (bytes): a stage's gradients go
     out in buckets as soon as its last backward of the step is done."""
@@ -103,9 +117,9 @@ class RunnerOptions:
 
 
 # PipelineRunner's keyword arguments before RunnerOptions, still accepted:
-# every field but tp_plan, which came after them and is a RunnerOptions
-# field only.
-_RENAMED = {f.name for f in dataclasses.fields(RunnerOptions)} - {"tp_plan"}
+# every field but tp_plan and ep_plan, which came after them and are
+# RunnerOptions fields only.
+_RENAMED = {f.name for f in dataclasses.fields(RunnerOptions)} - {"tp_plan", "ep_plan"}
 # Process-wide CPU policies the runner used to set: now `mpmd.tune_cpu()`.
 _TUNING = ("gloo_sched_batch", "keep_freed_memory")
 

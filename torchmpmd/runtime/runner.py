@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,6 +46,10 @@ class StepOutput:
     # parallelism: over the microbatches of every shard, the global batch's).
     loss: torch.Tensor
     losses: torch.Tensor  # per microbatch of this rank's batch
+    # What the parallelisms inside the stages measured in the step, by name
+    # (expert parallelism: "all_to_all_sent_bytes", "all_to_all_received_bytes",
+    # "tokens_per_expert" {experts module path: tokens each expert ran}).
+    metrics: dict[str, Any] = field(default_factory=dict)
 
 
 class PipelineRunner:
@@ -93,7 +97,12 @@ class PipelineRunner:
         # The mesh, read once: the pipeline's group and the parallelisms
         # inside each stage, driven below as one (parallel/protocol.py).
         asked = Asked(
-            opts.data_parallel, opts.parallelize, opts.tp_plan, opts.compile, opts.bucket_bytes
+            opts.data_parallel,
+            opts.parallelize,
+            opts.tp_plan,
+            opts.compile,
+            opts.bucket_bytes,
+            opts.ep_plan,
         )
         layout = Layout.read(mesh, asked, pipe)
         pipeline_transport, failure_board, group = connect(layout, group, transport)
@@ -187,7 +196,7 @@ class PipelineRunner:
                 self.device,
                 layout.replica_group,
             )
-        return StepOutput(loss=loss, losses=losses)
+        return StepOutput(loss=loss, losses=losses, metrics=layout.step_metrics())
 
     @torch.no_grad()
     def eval_step(self, *args: Any, **kwargs: Any) -> Any:

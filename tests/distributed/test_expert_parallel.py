@@ -1,0 +1,213 @@
+"""Expert parallelism inside pipeline stages, on 4 Gloo processes: a
+(pp 2, ep 2) mesh, each rank holding half of every MoE layer's experts and
+its own part of the batch, the routed tokens dispatched to the experts'
+ranks by all-to-all and combined back. The loss, every gradient (gathered to
+the whole tensors), the clip norm and the parameters after AdamW equal the
+unpipelined model's on the whole global batch: a model written the way
+torchtitan's MoE is (its for-loop experts, `histc`, `argsort`, a shared
+expert, a dense first layer, DeepSeek's expert bias and balance loss) and
+Hugging Face's Qwen3-MoE with its own ep plan (float64, its eager experts),
+under 1F1B and ZB-H1. The all-to-all bytes the runner counts are those of
+the routed tokens; each rank holds half the experts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from harness import check_all, run_ranks, whole_tensor
+
+import torchmpmd as mpmd
+
+PP, EP = 2, 2
+M = 4  # microbatches per ep rank
+MICROBATCH, SEQ, VOCAB = 2, 8, 64
+
+
+def _titan() -> torch.nn.Module:
+    from titan_moe import MoEArgs, Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(MoEArgs(vocab_size=VOCAB)).double()
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):
+                b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(3)) * 0.05)
+    return model
+
+
+def _qwen3_moe() -> torch.nn.Module:
+    import transformers as T
+
+    torch.manual_seed(0)
+    config = T.Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        attn_implementation="eager",
+        experts_implementation="eager",  # float64: grouped_mm has no float64 kernel
+        use_cache=False,
+    )
+    return T.Qwen3MoeForCausalLM(config).double()
+
+
+def _titan_loss(out, target):
+    from titan_moe import moe_loss
+
+    return moe_loss(out, target)
+
+
+def _hf_loss(out, target):
+    return F.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+
+
+# model: (build, loss, split, runner options, router module suffix, the
+# router output holding the chosen experts, hidden size)
+MODELS = {
+    "titan": (_titan, _titan_loss, ["layers.2"], {}, ".moe.router", 1, 16),
+    "qwen3_moe": (_qwen3_moe, _hf_loss, ["model.layers.2"], {}, ".mlp.gate", 2, 32),
+}
+
+
+def _record_routing(model, suffix: str, index: int) -> dict[str, list[torch.Tensor]]:
+    """Forward hooks on the unpipelined model's routers: per MoE layer, the
+    experts each token chose, microbatch after microbatch."""
+    seen: dict[str, list[torch.Tensor]] = {}
+    for name, module in model.named_modules():
+        if name.endswith(suffix):
+            layer = name[: -len(suffix)]
+            seen[layer] = []
+            module.register_forward_hook(
+                lambda _m, _i, out, layer=layer: seen[layer].append(out[index].detach().clone())
+            )
+    return seen
+
+
+def _check_traffic(runner, out, routing, ep_rank: int, hidden: int, what: str) -> None:
+    """The all-to-all bytes and tokens per expert the runner measured, from
+    the unpipelined model's own routing of the same tokens: per MoE layer on
+    this rank, the (token, expert) rows this rank sends the other ep rank and
+    those it gets from it, each way forward (dispatch, combine) and backward."""
+    experts_modules = [p for p in out.metrics["tokens_per_expert"]]
+    assert experts_modules, what
+    rows = 0
+    for path in experts_modules:
+        layer = next(k for k in routing if path.startswith(k + "."))
+        chosen = routing[layer]  # every microbatch of every shard, in order
+        shards = [torch.cat(chosen[r * M : (r + 1) * M]) for r in range(EP)]
+        experts = out.metrics["tokens_per_expert"][path].numel()
+        owner = [c.reshape(-1) // (experts // EP) for c in shards]
+        rows += int((owner[ep_rank] != ep_rank).sum())  # mine, to the other rank
+        rows += sum(int((owner[r] == ep_rank).sum()) for r in range(EP) if r != ep_rank)
+        expected = torch.bincount(torch.cat(shards).reshape(-1), minlength=experts)
+        assert torch.equal(out.metrics["tokens_per_expert"][path], expected), (what, path)
+    expected_bytes = 2 * rows * hidden * 8  # forward and backward, float64 rows
+    assert out.metrics["all_to_all_sent_bytes"] == expected_bytes, (what, out.metrics)
+    assert out.metrics["all_to_all_received_bytes"] == expected_bytes, (what, out.metrics)
+
+
+def _expert_tensors(runner) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {
+        n: p
+        for n, p in runner.named_parameters()
+        if isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
+    }
+
+
+def train_ep(rank: int, world: int, combos: list[tuple[str, str]]) -> list[str]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (PP, EP), mesh_dim_names=("pp", "ep"))
+    done = []
+    for model_name, schedule_name in combos:
+        build, loss_fn, split, options, router, index, hidden = MODELS[model_name]
+        model, reference = build(), build()
+        routing = _record_routing(reference, router, index)
+        x0 = torch.randint(0, VOCAB, (MICROBATCH, SEQ))
+        pipe = mpmd.trace(model, (x0,), split_before=split)
+        runner = mpmd.PipelineRunner(
+            pipe,
+            getattr(mpmd.schedules, schedule_name)(M),
+            mesh=mesh,
+            loss_fn=loss_fn,
+            options=mpmd.RunnerOptions(timeout=60, **options),
+        )
+        assert runner.dp_size == EP, runner.dp_size
+        shard_rank = dist.get_rank(runner.dp_group)
+        opt = torch.optim.AdamW(runner.parameters(), lr=1e-2, weight_decay=0.01)
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+        local = dict(runner.named_parameters())
+        experts = _expert_tensors(runner)
+        assert experts, "no expert parameter is sharded over ep"
+        for fqn, p in experts.items():
+            whole = reference.get_parameter(fqn)
+            assert p.to_local().shape[0] * EP == whole.shape[0], (fqn, p.to_local().shape)
+        generator = torch.Generator().manual_seed(11)
+        for step in range(2):
+            n = MICROBATCH * M * EP
+            x = torch.randint(0, VOCAB, (n, SEQ), generator=generator)
+            y = torch.randint(0, VOCAB, (n, SEQ), generator=generator)
+            ref_opt.zero_grad(set_to_none=True)
+            for chosen in routing.values():
+                chosen.clear()
+            losses = []
+            for xb, yb in zip(x.chunk(M * EP), y.chunk(M * EP), strict=True):
+                loss = loss_fn(reference(xb), yb)
+                (loss / (M * EP)).backward()
+                losses.append(loss.detach())
+            ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+            ref_opt.step()
+
+            opt.zero_grad(set_to_none=True)
+            part = slice(shard_rank * MICROBATCH * M, (shard_rank + 1) * MICROBATCH * M)
+            out = runner.step(x[part], target=y[part])
+            what = f"{model_name} {schedule_name} step {step} rank {rank}"
+            _check_traffic(runner, out, routing, shard_rank, hidden, what)
+            torch.testing.assert_close(
+                out.loss, torch.stack(losses).mean(), rtol=1e-10, atol=1e-10, msg=what
+            )
+            norm = runner.clip_grad_norm_(1.0)
+            torch.testing.assert_close(norm, ref_norm, rtol=1e-10, atol=1e-10, msg=what)
+            for fqn, p in local.items():
+                expected = reference.get_parameter(fqn).grad
+                got = whole_tensor(p.grad) if p.grad is not None else None
+                if expected is None:
+                    assert got is None or not got.any(), (what, fqn)
+                    continue
+                assert got is not None, (what, fqn)
+                torch.testing.assert_close(
+                    got, expected, rtol=1e-10, atol=1e-10, msg=f"{what}: {fqn}"
+                )
+            opt.step()
+            for fqn, p in local.items():
+                torch.testing.assert_close(
+                    whole_tensor(p.detach()),
+                    reference.get_parameter(fqn).detach(),
+                    rtol=1e-9,
+                    atol=1e-9,
+                    msg=f"{what}: {fqn} after AdamW",
+                )
+        done.append(f"{model_name} {schedule_name}")
+    return done
+
+
+@pytest.mark.slow
+def test_pipeline_times_expert_parallel_trains_like_the_unpipelined_model():
+    combos = [
+        ("titan", "OneFOneB"),
+        ("titan", "ZeroBubbleH1"),
+        ("qwen3_moe", "OneFOneB"),
+        ("qwen3_moe", "ZeroBubbleH1"),
+    ]
+    reports = check_all(run_ranks(train_ep, PP * EP, combos))
+    assert all(len(r) == len(combos) for r in reports)

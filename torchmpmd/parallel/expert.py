@@ -1,0 +1,514 @@
+"""Expert parallelism inside a stage, over the mesh's "ep" dimension.
+
+A mixture of experts' experts module holds every expert of its layer
+stacked (`[experts, ...]` parameters); the trace records it as one call and
+the stage calls the module itself (`graph.experts`). Over "ep" each rank
+holds `experts / ep` of every such module (its parameters DTensors,
+`Shard(0)` over the ep mesh, so that the state dict, the gradient norm and
+DCP see the whole tensors), and the module's call becomes:
+
+1. dispatch: each (token, chosen expert) row goes to the rank holding the
+   expert, by one all-to-all (its split sizes exchanged first: the number
+   of tokens per expert depends on the data, nothing is dropped or padded);
+2. the module's own forward on the rows it received, with the local expert
+   ids (a plain call: its loops, `.tolist()` and splits run eagerly);
+3. combine: the results go back by a second all-to-all, to their tokens.
+
+Autograd runs the two all-to-alls backwards. Two calling conventions are
+known (a plan's styles): Hugging Face's `"ep_dispatch_experts"` (tokens,
+top-k expert ids, top-k weights; the weights are applied where the token
+lives) and torchtitan's `"grouped_experts"` (token rows sorted by expert,
+tokens per expert).
+
+The ep ranks are data-parallel for everything else (as in torchtitan, where
+the experts borrow the data-parallel ranks): each runs its own part of the
+batch, the other parameters' gradients are averaged over every data-parallel
+rank (a "dp" dimension's and ep's together), and an expert's gradient, a sum
+over every ep rank's tokens already, is averaged over "dp" and divided by
+ep. Supported meshes: ("pp", "ep") and ("pp", "dp", "ep") with replicas
+over dp; anything else with "ep" is refused, saying why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from ..graph.experts import experts_calls, hf_experts_patterns, matches_pattern
+from ..graph.pipe import Pipe
+from ..graph.stage import as_stage
+from ..schedule.program import StageCollectives
+from .protocol import Asked, Kind, Parallelism, RankStages, not_sharded_over, register
+from .replicate import Replicas, broadcast_from_first
+
+__all__ = ["STYLES", "ExpertParallel", "Traffic"]
+
+TOPK = "ep_dispatch_experts"  # Hugging Face: (tokens, top-k ids, top-k weights)
+GROUPED = "grouped_experts"  # torchtitan: (rows sorted by expert, tokens per expert)
+PARAMETER = "grouped_gemm"  # Hugging Face's entries for the experts' parameters
+STYLES = (TOPK, GROUPED, PARAMETER)
+
+
+@dataclass(slots=True)
+class Traffic:
+    """What this rank's experts modules moved and ran in one step: bytes
+    sent to other ranks by the all-to-alls (dispatch and combine, forward
+    and backward) and, per experts module, the tokens each of its local
+    experts ran."""
+
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    tokens: dict[str, torch.Tensor] = field(default_factory=dict)  # path -> per local expert
+
+    def reset(self) -> None:
+        self.sent_bytes = 0
+        self.received_bytes = 0
+        self.tokens = {}
+
+
+def _all_to_all(
+    x: torch.Tensor, recv: list[int], send: list[int], group: dist.ProcessGroup, traffic: Traffic
+) -> torch.Tensor:
+    out: torch.Tensor = _AllToAll.apply(x, recv, send, group, traffic)  # type: ignore[no-untyped-call]
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of `x` to the group's ranks (`send[r]` rows to rank r), `recv[r]`
+    rows from each; the backward sends the gradients the other way."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        recv: list[int],
+        send: list[int],
+        group: dist.ProcessGroup,
+        traffic: Traffic,
+    ) -> torch.Tensor:
+        ctx.recv, ctx.send, ctx.group, ctx.traffic = recv, send, group, traffic
+        return _exchange(x, recv, send, group, traffic)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return _exchange(grad, ctx.send, ctx.recv, ctx.group, ctx.traffic), None, None, None, None
+
+
+def _exchange(
+    x: torch.Tensor, recv: list[int], send: list[int], group: dist.ProcessGroup, traffic: Traffic
+) -> torch.Tensor:
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    me = dist.get_rank(group)
+    row = x[0].numel() * x.element_size() if x.dim() else x.element_size()
+    traffic.sent_bytes += (sum(send) - send[me]) * row
+    traffic.received_bytes += (sum(recv) - recv[me]) * row
+    return out
+
+
+def _counts(ids: torch.Tensor, experts: int) -> torch.Tensor:
+    return torch.bincount(ids.reshape(-1).long(), minlength=experts)[:experts]
+
+
+class _Dispatch:
+    """One experts module's call over the ep group (see the module docstring)."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        path: str,
+        style: str,
+        local: int,
+        group: dist.ProcessGroup,
+        traffic: Traffic,
+    ) -> None:
+        self.module, self.path, self.style, self.local = module, path, style, local
+        self.group, self.traffic = group, traffic
+        self.size = dist.get_world_size(group)
+        self.forward = type(module).forward
+
+    def __call__(self, *args: Any) -> torch.Tensor:
+        if self.style == TOPK:
+            return self._top_k(*args)
+        return self._grouped(*args)
+
+    def _split_sizes(self, per_expert: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+        """(tokens each rank sends me per local expert [ep, local], the rows
+        I send each rank, the rows each rank sends me): the one exchange of
+        sizes, and the one host read, of the layer."""
+        send_counts = per_expert.reshape(self.size, self.local).contiguous()
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        send = send_counts.sum(1).tolist()
+        recv = recv_counts.sum(1).tolist()
+        return recv_counts, send, recv
+
+    def _run_local(self, *args: Any) -> torch.Tensor:
+        with _local_parameters(self.module):
+            out: torch.Tensor = self.forward(self.module, *args)
+        return out
+
+    def _record(self, recv_counts: torch.Tensor) -> None:
+        seen = self.traffic.tokens.get(self.path)
+        ran = recv_counts.sum(0)
+        self.traffic.tokens[self.path] = ran if seen is None else seen + ran
+
+    def _top_k(
+        self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        tokens, k = top_k_index.shape
+        experts = self.local * self.size
+        ids = top_k_index.reshape(-1)
+        order = torch.argsort(ids, stable=True)
+        recv_counts, send, recv = self._split_sizes(_counts(ids, experts))
+        self._record(recv_counts)
+        rows = _all_to_all(hidden[order // k], recv, send, self.group, self.traffic)
+        local_ids = torch.arange(self.local, device=hidden.device).repeat(self.size)
+        local_ids = local_ids.repeat_interleave(recv_counts.reshape(-1), output_size=sum(recv))
+        # Unit weights: the routing weights are applied where the token lives.
+        ones = torch.ones((rows.shape[0], 1), dtype=top_k_weights.dtype, device=rows.device)
+        out = self._run_local(rows, local_ids[:, None], ones)
+        back = _all_to_all(out, send, recv, self.group, self.traffic)
+        placed = back.new_zeros(back.shape).index_copy(0, order, back)
+        weighted = placed.reshape(tokens, k, -1) * top_k_weights.unsqueeze(-1).to(placed.dtype)
+        return weighted.sum(1).to(hidden.dtype)
+
+    def _grouped(self, rows: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
+        recv_counts, send, recv = self._split_sizes(per_expert.long())
+        self._record(recv_counts)
+        got = _all_to_all(rows, recv, send, self.group, self.traffic)
+        # Received per source rank, each part by local expert: regroup by
+        # local expert (every source's rows of expert 0 first, ...).
+        flat = recv_counts.reshape(-1)
+        starts = torch.cumsum(flat, 0) - flat
+        by_expert = recv_counts.t().reshape(-1)
+        start_of = starts.reshape(self.size, self.local).t().reshape(-1)
+        first = torch.repeat_interleave(start_of, by_expert, output_size=sum(recv))
+        within = torch.arange(sum(recv), device=rows.device) - torch.repeat_interleave(
+            torch.cumsum(by_expert, 0) - by_expert, by_expert, output_size=sum(recv)
+        )
+        order = first + within
+        ran = self._run_local(got[order], recv_counts.sum(0).to(per_expert.dtype))
+        back = ran.new_zeros(ran.shape).index_copy(0, order, ran)
+        return _all_to_all(back, send, recv, self.group, self.traffic)
+
+
+@contextlib.contextmanager
+def _local_parameters(module: torch.nn.Module) -> Iterator[None]:
+    """The module's DTensor parameters as their local shards (differentiable:
+    the gradient reaches the DTensor) while its own forward runs."""
+    saved: dict[str, Any] = dict(module._parameters)
+    slots: dict[str, Any] = module._parameters
+    for name, p in saved.items():
+        if isinstance(p, DTensor):
+            slots[name] = p.to_local()
+    try:
+        yield
+    finally:
+        module._parameters.update(saved)
+
+
+def _style_of(value: Any) -> str:
+    """A plan's style: a string of `STYLES`, or torchtitan's `ExpertParallel()`."""
+    if isinstance(value, str):
+        return value
+    name = type(value).__name__
+    if name in ("ExpertParallel", "TensorParallelExpertParallel"):  # torchtitan's styles
+        return GROUPED
+    return f"<{name}>"
+
+
+class ExpertParallel(Parallelism):
+    """Experts sharded over the mesh's "ep" dimension, tokens dispatched by
+    all-to-all, every other parameter averaged over ep (and "dp")."""
+
+    name = "ep"
+    splits_batch = True
+    # Its stages' experts modules are sharded and wrapped in place: a new
+    # shape's stages would hold every expert.
+    allows_new_shapes = False
+    collectives = StageCollectives(unshard=False, reduce_grads=True)
+
+    def __init__(
+        self, root: DeviceMesh, dims: tuple[str, ...], plan: Mapping[str, Any] | None, bucket: int
+    ) -> None:
+        self.dims = dims
+        self.ep_mesh = root["ep"]
+        self.ep_group = self.ep_mesh.get_group()
+        self.size = int(self.ep_mesh.size())
+        self.plan = dict(plan) if plan is not None else None
+        self.traffic = Traffic()
+        data = tuple(d for d in dims if d != "ep")
+        if data:
+            from .fsdp import _flattened
+
+            self._dp_group: dist.ProcessGroup | None = root[data[0]].get_group()
+            self._group = _flattened(root[(*data, "ep")])
+        else:
+            self._dp_group = None
+            self._group = self.ep_group
+        self._expert_ids: set[int] = set()
+        self._dense = Replicas(self._group, dims, bucket, select=self._is_dense)
+        dp = dist.get_world_size(self._dp_group) if self._dp_group is not None else 1
+        self._experts = Replicas(
+            self._dp_group if self._dp_group is not None else self.ep_group,
+            data,
+            bucket,
+            select=self._is_expert,
+            divisor=dp * self.size,
+        )
+        if self._dp_group is None:
+            # No replicas of the experts: only divided by ep, nothing sent.
+            self._experts.size = 1
+        self.sharded: dict[str, int] = {}  # experts module path -> local experts
+        self._tokens: dict[str, torch.Tensor] = {}  # the last step's, per expert
+
+    def _is_expert(self, p: torch.nn.Parameter) -> bool:
+        return id(p) in self._expert_ids
+
+    def _is_dense(self, p: torch.nn.Parameter) -> bool:
+        return id(p) not in self._expert_ids
+
+    def groups(self) -> list[dist.ProcessGroup]:
+        found = [self._group, self.ep_group]
+        if self._dp_group is not None:
+            found.append(self._dp_group)
+        return list(dict.fromkeys(found))
+
+    # ---- build time
+
+    def shard_meta(self, stages: Mapping[int, torch.nn.Module], pipe: Pipe) -> None:
+        self.shard(stages, pipe)
+
+    def shard(self, stages: Mapping[int, torch.nn.Module], pipe: Pipe) -> None:
+        """Each experts module of the plan: its experts split over ep, its
+        call dispatching the tokens (once per module)."""
+        plan = self._plan_for(pipe)
+        used: set[str] = set()
+        for s, stage in sorted(stages.items()):
+            graph = as_stage(stage).graph_module
+            if graph is None:
+                continue
+            for node in experts_calls(graph.graph):
+                path = str(node.target)
+                style, pattern = self._style(path, node, plan)
+                if pattern is not None:
+                    used.add(pattern)
+                if style is None:
+                    continue
+                self._shard_module(s, graph.get_submodule(path), path, style)
+        if plan is not None and self.plan is not None:
+            unused = [p for p, v in plan.items() if p not in used and _style_of(v) != PARAMETER]
+            if unused:
+                raise ValueError(
+                    f"ep_plan: {unused} name no experts module of this rank's stages "
+                    f"{sorted(stages)}; the traced experts modules are: "
+                    f"{self._traced_paths(stages) or 'none'} (mpmd.trace(..., experts=[...]) "
+                    "names more)"
+                )
+
+    def _plan_for(self, pipe: Pipe) -> dict[str, Any] | None:
+        if self.plan is not None:
+            bad = [(p, v) for p, v in self.plan.items() if _style_of(v) not in STYLES]
+            if bad:
+                path, value = bad[0]
+                raise ValueError(
+                    f"ep_plan: {path!r} has style {value!r}; the styles are "
+                    f"{', '.join(repr(s) for s in STYLES)} (or torchtitan's ExpertParallel())"
+                )
+            return self.plan
+        source = pipe.source
+        if source is None:
+            return None
+        found = hf_experts_patterns(source)
+        return {p: TOPK for p in found} or None
+
+    def _style(
+        self, path: str, node: Any, plan: Mapping[str, Any] | None
+    ) -> tuple[str | None, str | None]:
+        """(the style of the experts module at `path`, the plan's pattern
+        naming it); style None: the plan leaves it whole."""
+        if plan is not None:
+            for pattern, value in plan.items():
+                style = _style_of(value)
+                if style != PARAMETER and matches_pattern(path, pattern):
+                    return style, pattern
+            if self.plan is not None:
+                return None, None
+        return _infer_style(path, node), None
+
+    def _traced_paths(self, stages: Mapping[int, torch.nn.Module]) -> list[str]:
+        out = []
+        for stage in stages.values():
+            graph = as_stage(stage).graph_module
+            if graph is not None:
+                out += [str(n.target) for n in experts_calls(graph.graph)]
+        return out
+
+    def _shard_module(self, stage: int, module: torch.nn.Module, path: str, style: str) -> None:
+        if path in self.sharded:
+            return
+        params = {n: p for n, p in module._parameters.items() if p is not None}
+        count = getattr(module, "num_experts", None)
+        if not isinstance(count, int):
+            count = next(iter(params.values())).shape[0] if params else 0
+        if count % self.size or any(p.shape[0] != count for p in params.values()):
+            raise ValueError(
+                f"ep: the experts module {path!r} of stage {stage} holds {count} experts "
+                f"(parameters {[(n, tuple(p.shape)) for n, p in params.items()]}), which "
+                f"{self.size} ep ranks cannot share evenly; choose an ep size that divides "
+                f"{count}"
+            )
+        local = count // self.size
+        for name, p in params.items():
+            if isinstance(p, DTensor):
+                continue
+            # A meta tensor is cut without a message (each rank allocates its
+            # own); a real one is ep rank 0's, scattered.
+            dt = distribute_tensor(
+                p.detach(), self.ep_mesh, [Shard(0)], src_data_rank=None if p.is_meta else 0
+            )
+            module._parameters[name] = torch.nn.Parameter(dt, requires_grad=p.requires_grad)
+        if hasattr(module, "num_experts"):
+            setattr(module, "num_experts", local)  # noqa: B010 (an attribute of the model's own class)
+        module.forward = _Dispatch(module, path, style, local, self.ep_group, self.traffic)
+        self.sharded[path] = local
+
+    # ---- weights
+
+    def attach(self, stages: RankStages) -> None:
+        self._expert_ids = {
+            id(p)
+            for m in stages.modules.values()
+            for p in m.parameters()
+            if isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
+        }
+        self._dense.attach(stages)
+        self._experts.attach(stages)
+
+    def start_equal(self, tensors: list[torch.Tensor]) -> None:
+        """Every data-parallel rank starts from the first's dense tensors; an
+        expert shard from its dp replica's first."""
+        bucket = self._dense.bucket_bytes
+        broadcast_from_first(self._group, not_sharded_over(tensors, self.dims), bucket)
+        if self._dp_group is not None:
+            whole = {id(t) for t in not_sharded_over(tensors, ("ep",))}
+            shards = [t for t in tensors if id(t) not in whole]
+            broadcast_from_first(self._dp_group, not_sharded_over(shards, self.dims[:-1]), bucket)
+
+    def make_equal(self, tensors: list[torch.Tensor]) -> None:
+        self.start_equal(tensors)
+
+    # ---- steps
+
+    def start_step(self) -> None:
+        self.traffic.reset()
+        self._dense.start_step()
+        self._experts.start_step()
+
+    def reduce_grads(self, stage: int) -> None:
+        self._dense.reduce_grads(stage)
+        self._experts.reduce_grads(stage)
+
+    def finish(self, tied: Mapping[int, torch.nn.Parameter]) -> None:
+        failed: RuntimeError | None = None
+        for part in (self._dense, self._experts):
+            try:
+                part.finish(tied)
+            except RuntimeError as err:
+                failed = failed or err
+        if failed is not None:
+            raise failed
+        self._gather_tokens()
+
+    def _gather_tokens(self) -> None:
+        """Every expert's tokens this step over the ep group (each rank ran
+        its own experts'), in one all-gather for all the modules."""
+        paths = sorted(self.sharded)
+        if not paths:
+            return
+        local = torch.cat(
+            [
+                self.traffic.tokens.get(p, torch.zeros(self.sharded[p], dtype=torch.long))
+                for p in paths
+            ]
+        ).long()
+        whole = local.new_empty(local.numel() * self.size)
+        dist.all_gather_into_tensor(whole, local, group=self.ep_group)
+        per_rank = whole.view(self.size, -1)
+        out, offset = {}, 0
+        for p in paths:
+            n = self.sharded[p]
+            out[p] = per_rank[:, offset : offset + n].reshape(-1)
+            offset += n
+        self._tokens = out
+
+    def step_metrics(self) -> dict[str, Any]:
+        return {
+            "all_to_all_sent_bytes": self.traffic.sent_bytes,
+            "all_to_all_received_bytes": self.traffic.received_bytes,
+            "tokens_per_expert": dict(self._tokens),
+        }
+
+
+def _infer_style(path: str, node: Any) -> str:
+    found = [a.meta.get("val") if hasattr(a, "meta") else None for a in node.args]
+    vals = [v for v in found if isinstance(v, torch.Tensor)]
+    if len(vals) != len(found):
+        vals = []
+    if (
+        len(vals) == 3
+        and vals[0].dim() == 2
+        and not vals[1].is_floating_point()
+        and vals[1].dim() == 2
+        and vals[2].shape == vals[1].shape
+    ):
+        return TOPK
+    if len(vals) == 2 and vals[0].dim() == 2 and vals[1].dim() == 1:
+        return GROUPED
+    shapes = [tuple(v.shape) if isinstance(v, torch.Tensor) else v for v in found]
+    raise ValueError(
+        f"ep: cannot tell how the experts module {path!r} takes its tokens (called with {shapes}); "
+        f"name its style in RunnerOptions(ep_plan={{{path!r}: ...}}): {TOPK!r} for (tokens, top-k "
+        f"expert ids, top-k weights), {GROUPED!r} for (rows sorted by expert, tokens per expert)"
+    )
+
+
+def _claim(names: tuple[str, ...] | None, left: tuple[str, ...], asked: Asked) -> tuple[str, ...]:
+    """ "ep", with "dp" as replicas (the experts' replicas too)."""
+    if "ep" not in left:
+        if asked.ep_plan is not None:
+            given = "no mesh" if names is None else f"a mesh of dimensions {names}"
+            raise ValueError(
+                f"PipelineRunner: ep_plan needs a mesh with an 'ep' dimension (got {given}), e.g. "
+                "init_device_mesh('cpu', (pp, ep), mesh_dim_names=('pp', 'ep'))"
+            )
+        return ()
+    others = [n for n in left if n not in ("ep", "dp")]
+    if others or asked.data_parallel not in (None, "replicate"):
+        raise ValueError(
+            f"PipelineRunner: expert parallelism runs on meshes ('pp', 'ep') and ('pp', 'dp', 'ep') "
+            f"with replicas over 'dp' (got dimensions {names}, data_parallel="
+            f"{asked.data_parallel!r}); FSDP, tensor parallelism and torchtitan's dp_shard / "
+            "dp_replicate names do not combine with 'ep' yet: use those meshes, or leave 'ep' out"
+        )
+    if names is not None and "dp" in left and names.index("dp") > names.index("ep"):
+        raise ValueError(
+            f"PipelineRunner: the mesh's 'ep' dimension must come after 'dp' (got {names}): the "
+            "ranks of one ep group are neighbours, as in torchtitan; name them (pp, dp, ep)"
+        )
+    return ("dp", "ep") if "dp" in left else ("ep",)
+
+
+def _make(mesh: DeviceMesh, dims: tuple[str, ...], pipe: Pipe, asked: Asked) -> ExpertParallel:
+    return ExpertParallel(mesh, dims, asked.ep_plan, asked.bucket_bytes)
+
+
+register(Kind(ExpertParallel.name, ("ep",), _claim, _make, order=5, options=("ep_plan",)))
