@@ -216,6 +216,13 @@ class Transformer(nn.Module):
                 module.init_weights(0.02)
             elif isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
+            elif isinstance(module, nn.RMSNorm):
+                module.reset_parameters()
+            elif isinstance(module, MoE):  # torchtitan's _init_self_buffers
+                with torch.no_grad():
+                    module.tokens_per_expert.zero_()
+                    if module.expert_bias is not None:
+                        module.expert_bias.zero_()
 
     def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.tok_embeddings(tokens)

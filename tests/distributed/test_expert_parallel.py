@@ -211,3 +211,114 @@ def test_pipeline_times_expert_parallel_trains_like_the_unpipelined_model():
     ]
     reports = check_all(run_ranks(train_ep, PP * EP, combos))
     assert all(len(r) == len(combos) for r in reports)
+
+
+def _global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + step)
+    n = MICROBATCH * M * EP
+    x = torch.randint(0, VOCAB, (n, SEQ), generator=generator)
+    return x, torch.randint(0, VOCAB, (n, SEQ), generator=generator)
+
+
+def checkpoint_run(
+    rank: int,
+    world: int,
+    ep: int,
+    meta: bool,
+    load_from: str | None,
+    save_to: str | None,
+    steps: range,
+) -> dict:
+    """The torchtitan-style MoE on (pp 2, ep `ep`) (ep 1: a pp 2 group, no
+    mesh), built on the meta device and initialised by the runner if
+    `meta`; loads `load_from` first, trains `steps`, saving to `save_to`
+    after the first. Returns the losses, the whole state after the first
+    step and the expert elements this rank holds."""
+    import torch.distributed as dist
+    from harness import to_bytes
+    from titan_moe import MoEArgs, Transformer, moe_loss
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(rank)  # every rank its own init: the runner makes them agree
+    if meta:
+        with torch.device("meta"):
+            model = Transformer(MoEArgs(vocab_size=VOCAB)).double()
+    else:
+        model = Transformer(MoEArgs(vocab_size=VOCAB)).double()
+    x0 = torch.randint(0, VOCAB, (MICROBATCH, SEQ))
+    pipe = mpmd.trace(model, (x0,), split_before=["layers.2"])
+    mesh = init_device_mesh("cpu", (PP, ep), mesh_dim_names=("pp", "ep")) if ep > 1 else None
+    runner = mpmd.PipelineRunner(
+        pipe,
+        mpmd.schedules.OneFOneB(M * EP // ep),
+        mesh=mesh,
+        loss_fn=moe_loss,
+        options=mpmd.RunnerOptions(timeout=60),
+    )
+    if meta:
+        runner.init_weights()
+    opt = torch.optim.AdamW(runner.parameters(), lr=1e-2, weight_decay=0.01)
+    if load_from is not None:
+        mpmd.checkpoint.load(load_from, runner, opt)
+    held = {
+        n: (p.to_local() if hasattr(p, "to_local") else p)
+        for n, p in runner.named_parameters()
+        if ".experts." in n
+    }
+    assert not any(t.is_meta for t in held.values())
+    part = dist.get_rank(runner.dp_group) if runner.dp_group is not None else 0
+    size = MICROBATCH * M * EP // runner.dp_size
+    losses, state = [], None
+    for step in steps:
+        x, y = _global_batch(step)
+        opt.zero_grad(set_to_none=True)
+        out = runner.step(
+            x[part * size : (part + 1) * size], target=y[part * size : (part + 1) * size]
+        )
+        losses.append(float(out.loss))
+        opt.step()
+        if step == steps.start:
+            if save_to is not None:
+                mpmd.checkpoint.save(save_to, runner, opt)
+            state = to_bytes({k: whole_tensor(v).clone() for k, v in runner.state_dict().items()})
+    return {
+        "losses": losses,
+        "state": state,
+        "expert_elements": sum(t.numel() for t in held.values()),
+        "expert_rows": {n: t.shape[0] for n, t in held.items()},
+    }
+
+
+@pytest.mark.slow
+def test_meta_model_on_pp_ep_checkpoints_into_any_layout_and_the_plain_model(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from harness import from_bytes
+    from titan_moe import MoEArgs, Transformer
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    ckpt = str(tmp_path / "ep")
+    # A: a meta model on (pp 2, ep 2); each rank allocates half the experts.
+    a = check_all(run_ranks(checkpoint_run, PP * EP, EP, True, None, ckpt, range(2)))
+    experts = MoEArgs().num_experts
+    for report in a:
+        assert report["expert_rows"], report
+        assert all(rows == experts // EP for rows in report["expert_rows"].values()), report
+    # B: the checkpoint on 2 pipeline ranks without ep (every expert on each).
+    b = check_all(run_ranks(checkpoint_run, PP, 1, False, ckpt, None, range(1, 2)))
+    assert abs(a[0]["losses"][1] - b[0]["losses"][0]) <= 1e-10, (a[0]["losses"], b[0]["losses"])
+    for report_a, report_b in zip(a[:1], b[:1], strict=True):
+        # One ep rank of a stage holds half of what the pipeline rank without ep holds.
+        assert report_a["expert_elements"] * EP == report_b["expert_elements"]
+    saved: dict[str, torch.Tensor] = {}
+    for report in a:
+        saved.update(from_bytes(report["state"]))
+    # The plain model, with DCP's standard calls (no process group).
+    model = Transformer(MoEArgs(vocab_size=VOCAB)).double()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=ckpt)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert set(model.state_dict()) == set(saved), set(model.state_dict()) ^ set(saved)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, saved[k], rtol=0, atol=0, msg=k)

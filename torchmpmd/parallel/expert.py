@@ -440,9 +440,9 @@ class ExpertParallel(Parallelism):
                 for p in paths
             ]
         ).long()
-        whole = local.new_empty(local.numel() * self.size)
-        dist.all_gather_into_tensor(whole, local, group=self.ep_group)
-        per_rank = whole.view(self.size, -1)
+        parts = [torch.empty_like(local) for _ in range(self.size)]
+        dist.all_gather(parts, local, group=self.ep_group)
+        per_rank = torch.stack(parts)
         out, offset = {}, 0
         for p in paths:
             n = self.sharded[p]
