@@ -12,6 +12,9 @@ the routed tokens; each rank holds half the experts."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -36,10 +39,13 @@ def _titan() -> torch.nn.Module:
     return model
 
 
-def _qwen3_moe() -> torch.nn.Module:
+def _qwen3_moe(dtype: torch.dtype = torch.float64) -> torch.nn.Module:
     import transformers as T
 
     torch.manual_seed(0)
+    # float64 runs Hugging Face's eager experts (grouped_mm has no float64
+    # kernel); float32 its default grouped_mm ones.
+    eager = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
     config = T.Qwen3MoeConfig(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -52,10 +58,45 @@ def _qwen3_moe() -> torch.nn.Module:
         num_experts_per_tok=2,
         moe_intermediate_size=32,
         attn_implementation="eager",
-        experts_implementation="eager",  # float64: grouped_mm has no float64 kernel
+        use_cache=False,
+        **eager,
+    )
+    return T.Qwen3MoeForCausalLM(config).to(dtype)
+
+
+def _deepseek_v3() -> torch.nn.Module:
+    """Shared experts, a dense first layer, the router's expert bias
+    (`e_score_correction_bias`), multi-head latent attention."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    config = T.DeepseekV3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        attn_implementation="eager",
         use_cache=False,
     )
-    return T.Qwen3MoeForCausalLM(config).double()
+    model = T.DeepseekV3ForCausalLM(config)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(3)) * 0.05)
+    return model
 
 
 def _titan_loss(out, target):
@@ -68,29 +109,71 @@ def _hf_loss(out, target):
     return F.cross_entropy(out.logits.flatten(0, 1), target.flatten())
 
 
-# model: (build, loss, split, runner options, router module suffix, the
-# router output holding the chosen experts, hidden size)
+@dataclass(frozen=True)
+class Case:
+    build: Callable[[], torch.nn.Module]
+    loss: Callable[..., torch.Tensor]
+    split: list[str]
+    # Where the unpipelined model shows the experts each token chose: the
+    # module (path suffix) and which of its outputs (a router's), or, with
+    # `experts_input`, its call's argument (Hugging Face's experts module).
+    chosen_at: str
+    index: int
+    hidden: int
+    tol: float = 1e-10  # loss, gradients, norm; parameters after AdamW: 10x
+    experts_input: bool = False
+
+
 MODELS = {
-    "titan": (_titan, _titan_loss, ["layers.2"], {}, ".moe.router", 1, 16),
-    "qwen3_moe": (_qwen3_moe, _hf_loss, ["model.layers.2"], {}, ".mlp.gate", 2, 32),
+    "titan": Case(_titan, _titan_loss, ["layers.2"], ".moe.router", 1, 16),
+    "qwen3_moe": Case(
+        _qwen3_moe, _hf_loss, ["model.layers.2"], ".mlp.experts", 1, 32, experts_input=True
+    ),
+    "qwen3_moe_f32": Case(
+        lambda: _qwen3_moe(torch.float32),
+        _hf_loss,
+        ["model.layers.2"],
+        ".mlp.experts",
+        1,
+        32,
+        tol=1e-5,
+        experts_input=True,
+    ),
+    "deepseek_v3_f32": Case(
+        _deepseek_v3,
+        _hf_loss,
+        ["model.layers.1", "model.layers.2", "model.layers.3"],
+        ".mlp.experts",
+        1,
+        32,
+        1e-5,
+        True,
+    ),
 }
 
 
-def _record_routing(model, suffix: str, index: int) -> dict[str, list[torch.Tensor]]:
-    """Forward hooks on the unpipelined model's routers: per MoE layer, the
-    experts each token chose, microbatch after microbatch."""
+def _record_routing(model, case: Case) -> dict[str, list[torch.Tensor]]:
+    """Hooks on the unpipelined model: per MoE layer, the experts each token
+    chose, microbatch after microbatch."""
     seen: dict[str, list[torch.Tensor]] = {}
     for name, module in model.named_modules():
-        if name.endswith(suffix):
-            layer = name[: -len(suffix)]
+        if name.endswith(case.chosen_at):
+            layer = name[: -len(case.chosen_at)]
             seen[layer] = []
-            module.register_forward_hook(
-                lambda _m, _i, out, layer=layer: seen[layer].append(out[index].detach().clone())
-            )
+            if case.experts_input:
+                module.register_forward_pre_hook(
+                    lambda _m, args, layer=layer: seen[layer].append(args[case.index].clone())
+                )
+            else:
+                module.register_forward_hook(
+                    lambda _m, _i, out, layer=layer: seen[layer].append(
+                        out[case.index].detach().clone()
+                    )
+                )
     return seen
 
 
-def _check_traffic(runner, out, routing, ep_rank: int, hidden: int, what: str) -> None:
+def _check_traffic(runner, out, routing, ep_rank: int, row_bytes: int, what: str) -> None:
     """The all-to-all bytes and tokens per expert the runner measured, from
     the unpipelined model's own routing of the same tokens: per MoE layer on
     this rank, the (token, expert) rows this rank sends the other ep rank and
@@ -108,7 +191,7 @@ def _check_traffic(runner, out, routing, ep_rank: int, hidden: int, what: str) -
         rows += sum(int((owner[r] == ep_rank).sum()) for r in range(EP) if r != ep_rank)
         expected = torch.bincount(torch.cat(shards).reshape(-1), minlength=experts)
         assert torch.equal(out.metrics["tokens_per_expert"][path], expected), (what, path)
-    expected_bytes = 2 * rows * hidden * 8  # forward and backward, float64 rows
+    expected_bytes = 2 * rows * row_bytes  # forward and backward
     assert out.metrics["all_to_all_sent_bytes"] == expected_bytes, (what, out.metrics)
     assert out.metrics["all_to_all_received_bytes"] == expected_bytes, (what, out.metrics)
 
@@ -130,17 +213,19 @@ def train_ep(rank: int, world: int, combos: list[tuple[str, str]]) -> list[str]:
     mesh = init_device_mesh("cpu", (PP, EP), mesh_dim_names=("pp", "ep"))
     done = []
     for model_name, schedule_name in combos:
-        build, loss_fn, split, options, router, index, hidden = MODELS[model_name]
-        model, reference = build(), build()
-        routing = _record_routing(reference, router, index)
+        case = MODELS[model_name]
+        loss_fn, tol = case.loss, case.tol
+        model, reference = case.build(), case.build()
+        dtype = next(model.parameters()).dtype
+        routing = _record_routing(reference, case)
         x0 = torch.randint(0, VOCAB, (MICROBATCH, SEQ))
-        pipe = mpmd.trace(model, (x0,), split_before=split)
+        pipe = mpmd.trace(model, (x0,), split_before=case.split)
         runner = mpmd.PipelineRunner(
             pipe,
             getattr(mpmd.schedules, schedule_name)(M),
             mesh=mesh,
             loss_fn=loss_fn,
-            options=mpmd.RunnerOptions(timeout=60, **options),
+            options=mpmd.RunnerOptions(timeout=60),
         )
         assert runner.dp_size == EP, runner.dp_size
         shard_rank = dist.get_rank(runner.dp_group)
@@ -172,12 +257,15 @@ def train_ep(rank: int, world: int, combos: list[tuple[str, str]]) -> list[str]:
             part = slice(shard_rank * MICROBATCH * M, (shard_rank + 1) * MICROBATCH * M)
             out = runner.step(x[part], target=y[part])
             what = f"{model_name} {schedule_name} step {step} rank {rank}"
-            _check_traffic(runner, out, routing, shard_rank, hidden, what)
+            row_bytes = case.hidden * dtype.itemsize
+            _check_traffic(runner, out, routing, shard_rank, row_bytes, what)
             torch.testing.assert_close(
-                out.loss, torch.stack(losses).mean(), rtol=1e-10, atol=1e-10, msg=what
+                out.loss.double(), torch.stack(losses).double().mean(), rtol=tol, atol=tol, msg=what
             )
             norm = runner.clip_grad_norm_(1.0)
-            torch.testing.assert_close(norm, ref_norm, rtol=1e-10, atol=1e-10, msg=what)
+            torch.testing.assert_close(
+                norm.double(), ref_norm.double(), rtol=tol, atol=tol, msg=what
+            )
             for fqn, p in local.items():
                 expected = reference.get_parameter(fqn).grad
                 got = whole_tensor(p.grad) if p.grad is not None else None
@@ -185,16 +273,14 @@ def train_ep(rank: int, world: int, combos: list[tuple[str, str]]) -> list[str]:
                     assert got is None or not got.any(), (what, fqn)
                     continue
                 assert got is not None, (what, fqn)
-                torch.testing.assert_close(
-                    got, expected, rtol=1e-10, atol=1e-10, msg=f"{what}: {fqn}"
-                )
+                torch.testing.assert_close(got, expected, rtol=tol, atol=tol, msg=f"{what}: {fqn}")
             opt.step()
             for fqn, p in local.items():
                 torch.testing.assert_close(
                     whole_tensor(p.detach()),
                     reference.get_parameter(fqn).detach(),
-                    rtol=1e-9,
-                    atol=1e-9,
+                    rtol=10 * tol,
+                    atol=10 * tol,
                     msg=f"{what}: {fqn} after AdamW",
                 )
         done.append(f"{model_name} {schedule_name}")
@@ -208,6 +294,9 @@ def test_pipeline_times_expert_parallel_trains_like_the_unpipelined_model():
         ("titan", "ZeroBubbleH1"),
         ("qwen3_moe", "OneFOneB"),
         ("qwen3_moe", "ZeroBubbleH1"),
+        ("qwen3_moe_f32", "OneFOneB"),
+        ("qwen3_moe_f32", "ZeroBubbleH1"),
+        ("deepseek_v3_f32", "Interleaved1F1B"),
     ]
     reports = check_all(run_ranks(train_ep, PP * EP, combos))
     assert all(len(r) == len(combos) for r in reports)
