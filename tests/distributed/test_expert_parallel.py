@@ -126,6 +126,9 @@ class Case:
 
 MODELS = {
     "titan": Case(_titan, _titan_loss, ["layers.2"], ".moe.router", 1, 16),
+    "titan_4_stages": Case(
+        _titan, _titan_loss, ["layers.1", "layers.2", "layers.3"], ".moe.router", 1, 16
+    ),
     "qwen3_moe": Case(
         _qwen3_moe, _hf_loss, ["model.layers.2"], ".mlp.experts", 1, 32, experts_input=True
     ),
@@ -194,6 +197,32 @@ def _check_traffic(runner, out, routing, ep_rank: int, row_bytes: int, what: str
     expected_bytes = 2 * rows * row_bytes  # forward and backward
     assert out.metrics["all_to_all_sent_bytes"] == expected_bytes, (what, out.metrics)
     assert out.metrics["all_to_all_received_bytes"] == expected_bytes, (what, out.metrics)
+    _check_timeline(runner, experts_modules, what)
+
+
+def _check_timeline(runner, experts_modules: list[str], what: str) -> None:
+    """The timeline shows each experts module's dispatch and combine, forward
+    and backward, of every microbatch, inside the task that ran them."""
+    tl = runner.timeline
+    tasks = tl.tasks
+    for kind in ("dispatch", "combine"):
+        events = [e for e in tl.events if e.kind == kind]
+        for path in experts_modules:
+            for direction in ("", " backward"):
+                label = f"ep {kind}{direction} {path}"
+                mine = [e for e in events if e.label == label]
+                assert sorted(e.microbatch for e in mine) == list(range(M)), (what, label, mine)
+                for e in mine:
+                    around = [
+                        t
+                        for t in tasks
+                        if t.start <= e.start
+                        and e.end <= t.end
+                        and (e.stage, e.microbatch)
+                        in {(p.stage, p.microbatch) for p in t.task.parts}
+                    ]
+                    assert around, (what, e)
+                    assert around[0].kind in (("F",) if not direction else ("B", "I")), (what, e)
 
 
 def _expert_tensors(runner) -> dict[str, torch.Tensor]:
@@ -206,13 +235,13 @@ def _expert_tensors(runner) -> dict[str, torch.Tensor]:
     }
 
 
-def train_ep(rank: int, world: int, combos: list[tuple[str, str]]) -> list[str]:
+def train_ep(rank: int, world: int, combos: list[tuple[str, str, str | None]]) -> list[str]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (PP, EP), mesh_dim_names=("pp", "ep"))
     done = []
-    for model_name, schedule_name in combos:
+    for model_name, schedule_name, data_parallel in combos:
         case = MODELS[model_name]
         loss_fn, tol = case.loss, case.tol
         model, reference = case.build(), case.build()
@@ -225,7 +254,7 @@ def train_ep(rank: int, world: int, combos: list[tuple[str, str]]) -> list[str]:
             getattr(mpmd.schedules, schedule_name)(M),
             mesh=mesh,
             loss_fn=loss_fn,
-            options=mpmd.RunnerOptions(timeout=60),
+            options=mpmd.RunnerOptions(timeout=60, data_parallel=data_parallel),
         )
         assert runner.dp_size == EP, runner.dp_size
         shard_rank = dist.get_rank(runner.dp_group)
@@ -283,6 +312,12 @@ def train_ep(rank: int, world: int, combos: list[tuple[str, str]]) -> list[str]:
                     atol=10 * tol,
                     msg=f"{what}: {fqn} after AdamW",
                 )
+        if data_parallel == "fsdp":
+            # FSDP2 over the ep ranks holds half of every other parameter.
+            dense = [p for n, p in local.items() if n not in experts]
+            held = sum(p.to_local().numel() for p in dense if hasattr(p, "to_local"))
+            whole = sum(p.numel() for p in dense)
+            assert held <= 1.1 * whole / EP, (held, whole)
         done.append(f"{model_name} {schedule_name}")
     return done
 
@@ -290,13 +325,14 @@ def train_ep(rank: int, world: int, combos: list[tuple[str, str]]) -> list[str]:
 @pytest.mark.slow
 def test_pipeline_times_expert_parallel_trains_like_the_unpipelined_model():
     combos = [
-        ("titan", "OneFOneB"),
-        ("titan", "ZeroBubbleH1"),
-        ("qwen3_moe", "OneFOneB"),
-        ("qwen3_moe", "ZeroBubbleH1"),
-        ("qwen3_moe_f32", "OneFOneB"),
-        ("qwen3_moe_f32", "ZeroBubbleH1"),
-        ("deepseek_v3_f32", "Interleaved1F1B"),
+        ("titan", "OneFOneB", None),
+        ("titan", "ZeroBubbleH1", "fsdp"),  # FSDP2 over ep for the other parameters
+        ("titan_4_stages", "Interleaved1F1B", "fsdp"),
+        ("qwen3_moe", "OneFOneB", None),
+        ("qwen3_moe", "ZeroBubbleH1", None),
+        ("qwen3_moe_f32", "OneFOneB", None),
+        ("qwen3_moe_f32", "ZeroBubbleH1", None),
+        ("deepseek_v3_f32", "Interleaved1F1B", None),
     ]
     reports = check_all(run_ranks(train_ep, PP * EP, combos))
     assert all(len(r) == len(combos) for r in reports)
@@ -411,3 +447,55 @@ def test_meta_model_on_pp_ep_checkpoints_into_any_layout_and_the_plain_model(tmp
     assert set(model.state_dict()) == set(saved), set(model.state_dict()) ^ set(saved)
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, saved[k], rtol=0, atol=0, msg=k)
+
+
+def stalled_peer(rank: int, world: int) -> str:
+    """Global rank 1 (ep rank 1 of the first pipeline rank) stalls in its
+    stage's forward: its ep peer, rank 0, waits in the dispatch's
+    all-to-all, which must fail within the runner's timeout, naming it."""
+    import time
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (PP, EP), mesh_dim_names=("pp", "ep"))
+    case = MODELS["titan"]
+    model = case.build()
+    pipe = mpmd.trace(model, (torch.randint(0, VOCAB, (MICROBATCH, SEQ)),), split_before=case.split)
+
+    def stall(_rank, _stage, forward):
+        def run(*args):
+            if dist.get_rank() == 1:
+                time.sleep(12)
+            return forward(*args)
+
+        return run
+
+    import torch.distributed as dist
+
+    runner = mpmd.PipelineRunner(
+        pipe,
+        mpmd.schedules.OneFOneB(M),
+        mesh=mesh,
+        loss_fn=case.loss,
+        options=mpmd.RunnerOptions(timeout=4, wrap_stage=stall),
+    )
+    x = torch.randint(0, VOCAB, (MICROBATCH * M, SEQ))
+    start = time.monotonic()
+    try:
+        runner.step(x, target=x)
+    except Exception as err:
+        return f"{time.monotonic() - start:.1f}s {err}"
+    return "no error"
+
+
+@pytest.mark.slow
+def test_a_stalled_ep_peer_fails_the_all_to_all_within_the_timeout_naming_it():
+    results = check_all(run_ranks(stalled_peer, PP * EP, deadline=120))
+    waited, message = results[0].split(" ", 1)
+    assert float(waited[:-1]) < 4 + 6, results[0]
+    # The first exchange of the layer (its split sizes) is where rank 0 waits.
+    assert "expert parallelism: rank 0's all-to-all (split sizes layers.1.moe.experts)" in message
+    assert "among ranks [1]" in message, message
+    assert "F(stage=0, mb=0)" in message, message
+    for other in results[1:]:
+        assert other != "no error", results

@@ -32,6 +32,7 @@ over dp; anything else with "ep" is refused, saying why.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,7 +46,18 @@ from ..graph.experts import experts_calls, hf_experts_patterns, matches_pattern
 from ..graph.pipe import Pipe
 from ..graph.stage import as_stage
 from ..schedule.program import StageCollectives
-from .protocol import Asked, Kind, Parallelism, RankStages, not_sharded_over, register
+from ..schedule.timeline import TimelineEvent
+from .fsdp import FSDP
+from .protocol import (
+    Asked,
+    Kind,
+    Parallelism,
+    Parallelize,
+    RankStages,
+    not_sharded_over,
+    register,
+    running_task,
+)
 from .replicate import Replicas, broadcast_from_first
 
 __all__ = ["STYLES", "ExpertParallel", "Traffic"]
@@ -60,57 +72,91 @@ STYLES = (TOPK, GROUPED, PARAMETER)
 class Traffic:
     """What this rank's experts modules moved and ran in one step: bytes
     sent to other ranks by the all-to-alls (dispatch and combine, forward
-    and backward) and, per experts module, the tokens each of its local
-    experts ran."""
+    and backward), per experts module the tokens each of its local experts
+    ran, and each all-to-all's interval (for the timeline)."""
 
     sent_bytes: int = 0
     received_bytes: int = 0
     tokens: dict[str, torch.Tensor] = field(default_factory=dict)  # path -> per local expert
+    # (kind, stage, microbatch, start, end, label), seconds since the epoch.
+    intervals: list[tuple[str, int, int, float, float, str]] = field(default_factory=list)
 
     def reset(self) -> None:
         self.sent_bytes = 0
         self.received_bytes = 0
         self.tokens = {}
+        self.intervals = []
+
+
+@dataclass(frozen=True, slots=True)
+class _Exchange:
+    """One all-to-all of an experts module's call: which, over what, for
+    which (stage, microbatch)'s forward (None outside a pipeline task)."""
+
+    kind: str  # "dispatch" or "combine"
+    path: str
+    group: dist.ProcessGroup
+    traffic: Traffic
+    task: tuple[int, int] | None
+
+    def run(
+        self, x: torch.Tensor, recv: list[int], send: list[int], backward: bool = False
+    ) -> torch.Tensor:
+        """Rows of `x` to the group's ranks (`send[r]` rows to rank r),
+        `recv[r]` rows from each, counted, timed and named if it fails."""
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        what = f"{self.kind}{' backward' if backward else ''} {self.path}"
+        start = time.time()
+        with torch.profiler.record_function(f"ep {what}"):
+            try:
+                dist.all_to_all_single(out, x.contiguous(), recv, send, group=self.group)
+            except RuntimeError as err:
+                raise RuntimeError(self.failed(what, err)) from err
+        end = time.time()
+        me = dist.get_rank(self.group)
+        row = x[0].numel() * x.element_size() if x.dim() else x.element_size()
+        self.traffic.sent_bytes += (sum(send) - send[me]) * row
+        self.traffic.received_bytes += (sum(recv) - recv[me]) * row
+        stage, mb = self.task if self.task is not None else (-1, -1)
+        if stage >= 0:
+            self.traffic.intervals.append((self.kind, stage, mb, start, end, f"ep {what}"))
+        return out
+
+    def failed(self, what: str, err: BaseException) -> str:
+        ranks = dist.get_process_group_ranks(self.group)
+        me = dist.get_rank()
+        peers = [r for r in ranks if r != me]
+        where = (
+            f" in stage {self.task[0]}'s microbatch {self.task[1]}" if self.task is not None else ""
+        )
+        return (
+            f"expert parallelism: rank {me}'s all-to-all ({what}){where} over the ep ranks "
+            f"{ranks} did not complete: {str(err).splitlines()[0] if str(err) else err!r}; "
+            f"the peer it waited for is among ranks {peers} (stalled, failed or gone: its own "
+            "error names the cause)"
+        )
 
 
 def _all_to_all(
-    x: torch.Tensor, recv: list[int], send: list[int], group: dist.ProcessGroup, traffic: Traffic
+    x: torch.Tensor, recv: list[int], send: list[int], exchange: _Exchange
 ) -> torch.Tensor:
-    out: torch.Tensor = _AllToAll.apply(x, recv, send, group, traffic)  # type: ignore[no-untyped-call]
+    out: torch.Tensor = _AllToAll.apply(x, recv, send, exchange)  # type: ignore[no-untyped-call]
     return out
 
 
 class _AllToAll(torch.autograd.Function):
-    """Rows of `x` to the group's ranks (`send[r]` rows to rank r), `recv[r]`
-    rows from each; the backward sends the gradients the other way."""
+    """`_Exchange.run`, whose backward sends the gradients the other way."""
 
     @staticmethod
     def forward(
-        ctx: Any,
-        x: torch.Tensor,
-        recv: list[int],
-        send: list[int],
-        group: dist.ProcessGroup,
-        traffic: Traffic,
+        ctx: Any, x: torch.Tensor, recv: list[int], send: list[int], exchange: _Exchange
     ) -> torch.Tensor:
-        ctx.recv, ctx.send, ctx.group, ctx.traffic = recv, send, group, traffic
-        return _exchange(x, recv, send, group, traffic)
+        ctx.recv, ctx.send, ctx.exchange = recv, send, exchange
+        return exchange.run(x, recv, send)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        return _exchange(grad, ctx.send, ctx.recv, ctx.group, ctx.traffic), None, None, None, None
-
-
-def _exchange(
-    x: torch.Tensor, recv: list[int], send: list[int], group: dist.ProcessGroup, traffic: Traffic
-) -> torch.Tensor:
-    out = x.new_empty((sum(recv), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
-    me = dist.get_rank(group)
-    row = x[0].numel() * x.element_size() if x.dim() else x.element_size()
-    traffic.sent_bytes += (sum(send) - send[me]) * row
-    traffic.received_bytes += (sum(recv) - recv[me]) * row
-    return out
+        return ctx.exchange.run(grad, ctx.send, ctx.recv, backward=True), None, None, None
 
 
 def _counts(ids: torch.Tensor, experts: int) -> torch.Tensor:
@@ -139,13 +185,25 @@ class _Dispatch:
             return self._top_k(*args)
         return self._grouped(*args)
 
-    def _split_sizes(self, per_expert: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+    def _exchanges(self) -> tuple[_Exchange, _Exchange]:
+        task = running_task()
+        return (
+            _Exchange("dispatch", self.path, self.group, self.traffic, task),
+            _Exchange("combine", self.path, self.group, self.traffic, task),
+        )
+
+    def _split_sizes(
+        self, per_expert: torch.Tensor, dispatch: _Exchange
+    ) -> tuple[torch.Tensor, list[int], list[int]]:
         """(tokens each rank sends me per local expert [ep, local], the rows
         I send each rank, the rows each rank sends me): the one exchange of
         sizes, and the one host read, of the layer."""
         send_counts = per_expert.reshape(self.size, self.local).contiguous()
         recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        try:
+            dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        except RuntimeError as err:
+            raise RuntimeError(dispatch.failed(f"split sizes {self.path}", err)) from err
         send = send_counts.sum(1).tolist()
         recv = recv_counts.sum(1).tolist()
         return recv_counts, send, recv
@@ -167,23 +225,25 @@ class _Dispatch:
         experts = self.local * self.size
         ids = top_k_index.reshape(-1)
         order = torch.argsort(ids, stable=True)
-        recv_counts, send, recv = self._split_sizes(_counts(ids, experts))
+        dispatch, combine = self._exchanges()
+        recv_counts, send, recv = self._split_sizes(_counts(ids, experts), dispatch)
         self._record(recv_counts)
-        rows = _all_to_all(hidden[order // k], recv, send, self.group, self.traffic)
+        rows = _all_to_all(hidden[order // k], recv, send, dispatch)
         local_ids = torch.arange(self.local, device=hidden.device).repeat(self.size)
         local_ids = local_ids.repeat_interleave(recv_counts.reshape(-1), output_size=sum(recv))
         # Unit weights: the routing weights are applied where the token lives.
         ones = torch.ones((rows.shape[0], 1), dtype=top_k_weights.dtype, device=rows.device)
         out = self._run_local(rows, local_ids[:, None], ones)
-        back = _all_to_all(out, send, recv, self.group, self.traffic)
+        back = _all_to_all(out, send, recv, combine)
         placed = back.new_zeros(back.shape).index_copy(0, order, back)
         weighted = placed.reshape(tokens, k, -1) * top_k_weights.unsqueeze(-1).to(placed.dtype)
         return weighted.sum(1).to(hidden.dtype)
 
     def _grouped(self, rows: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
-        recv_counts, send, recv = self._split_sizes(per_expert.long())
+        dispatch, combine = self._exchanges()
+        recv_counts, send, recv = self._split_sizes(per_expert.long(), dispatch)
         self._record(recv_counts)
-        got = _all_to_all(rows, recv, send, self.group, self.traffic)
+        got = _all_to_all(rows, recv, send, dispatch)
         # Received per source rank, each part by local expert: regroup by
         # local expert (every source's rows of expert 0 first, ...).
         flat = recv_counts.reshape(-1)
@@ -197,7 +257,7 @@ class _Dispatch:
         order = first + within
         ran = self._run_local(got[order], recv_counts.sum(0).to(per_expert.dtype))
         back = ran.new_zeros(ran.shape).index_copy(0, order, ran)
-        return _all_to_all(back, send, recv, self.group, self.traffic)
+        return _all_to_all(back, send, recv, combine)
 
 
 @contextlib.contextmanager
@@ -237,7 +297,13 @@ class ExpertParallel(Parallelism):
     collectives = StageCollectives(unshard=False, reduce_grads=True)
 
     def __init__(
-        self, root: DeviceMesh, dims: tuple[str, ...], plan: Mapping[str, Any] | None, bucket: int
+        self,
+        root: DeviceMesh,
+        dims: tuple[str, ...],
+        plan: Mapping[str, Any] | None,
+        bucket: int,
+        fsdp: bool = False,
+        parallelize: Parallelize | None = None,
     ) -> None:
         self.dims = dims
         self.ep_mesh = root["ep"]
@@ -247,15 +313,22 @@ class ExpertParallel(Parallelism):
         self.traffic = Traffic()
         data = tuple(d for d in dims if d != "ep")
         if data:
-            from .fsdp import _flattened
-
             self._dp_group: dist.ProcessGroup | None = root[data[0]].get_group()
-            self._group = _flattened(root[(*data, "ep")])
+            flat = root[(*data, "ep")]._flatten()
+            self._group = flat.get_group()
         else:
             self._dp_group = None
-            self._group = self.ep_group
+            flat, self._group = self.ep_mesh, self.ep_group
         self._expert_ids: set[int] = set()
-        self._dense = Replicas(self._group, dims, bucket, select=self._is_dense)
+        # The dense part: replicas, or FSDP2 over every data-parallel rank
+        # (the experts left out of its sharding).
+        self._dense: Replicas | FSDP = (
+            FSDP(flat, parallelize, bucket, dims=dims, leave_out=self._is_expert)
+            if fsdp
+            else Replicas(self._group, dims, bucket, select=self._is_dense)
+        )
+        if fsdp:
+            self.collectives = StageCollectives(unshard=True, reduce_grads=True)
         dp = dist.get_world_size(self._dp_group) if self._dp_group is not None else 1
         self._experts = Replicas(
             self._dp_group if self._dp_group is not None else self.ep_group,
@@ -396,15 +469,26 @@ class ExpertParallel(Parallelism):
     def start_equal(self, tensors: list[torch.Tensor]) -> None:
         """Every data-parallel rank starts from the first's dense tensors; an
         expert shard from its dp replica's first."""
-        bucket = self._dense.bucket_bytes
-        broadcast_from_first(self._group, not_sharded_over(tensors, self.dims), bucket)
+        bucket = self._experts.bucket_bytes
+        self._dense.start_equal(tensors)
         if self._dp_group is not None:
             whole = {id(t) for t in not_sharded_over(tensors, ("ep",))}
             shards = [t for t in tensors if id(t) not in whole]
             broadcast_from_first(self._dp_group, not_sharded_over(shards, self.dims[:-1]), bucket)
 
     def make_equal(self, tensors: list[torch.Tensor]) -> None:
-        self.start_equal(tensors)
+        self._dense.make_equal(tensors)
+        if self._dp_group is not None:
+            whole = {id(t) for t in not_sharded_over(tensors, ("ep",))}
+            shards = [t for t in tensors if id(t) not in whole]
+            bucket = self._experts.bucket_bytes
+            broadcast_from_first(self._dp_group, not_sharded_over(shards, self.dims[:-1]), bucket)
+
+    def unshard(self, stage: int) -> None:
+        self._dense.unshard(stage)
+
+    def after_eval(self) -> None:
+        self._dense.after_eval()
 
     # ---- steps
 
@@ -450,6 +534,12 @@ class ExpertParallel(Parallelism):
             offset += n
         self._tokens = out
 
+    def step_events(self, rank: int) -> list[TimelineEvent]:
+        return [
+            TimelineEvent(rank, kind, stage, mb, start, end, label)
+            for kind, stage, mb, start, end, label in self.traffic.intervals
+        ]
+
     def step_metrics(self) -> dict[str, Any]:
         return {
             "all_to_all_sent_bytes": self.traffic.sent_bytes,
@@ -492,12 +582,12 @@ def _claim(names: tuple[str, ...] | None, left: tuple[str, ...], asked: Asked) -
             )
         return ()
     others = [n for n in left if n not in ("ep", "dp")]
-    if others or asked.data_parallel not in (None, "replicate"):
+    if others or (names is not None and "tp" in names):
         raise ValueError(
             f"PipelineRunner: expert parallelism runs on meshes ('pp', 'ep') and ('pp', 'dp', 'ep') "
-            f"with replicas over 'dp' (got dimensions {names}, data_parallel="
-            f"{asked.data_parallel!r}); FSDP, tensor parallelism and torchtitan's dp_shard / "
-            "dp_replicate names do not combine with 'ep' yet: use those meshes, or leave 'ep' out"
+            f"(got dimensions {names}); tensor parallelism and torchtitan's dp_shard / "
+            "dp_replicate names do not combine with 'ep' yet: use those meshes (data_parallel="
+            "'fsdp' for FSDP2 over every data-parallel rank), or leave 'ep' out"
         )
     if names is not None and "dp" in left and names.index("dp") > names.index("ep"):
         raise ValueError(
@@ -508,7 +598,19 @@ def _claim(names: tuple[str, ...] | None, left: tuple[str, ...], asked: Asked) -
 
 
 def _make(mesh: DeviceMesh, dims: tuple[str, ...], pipe: Pipe, asked: Asked) -> ExpertParallel:
-    return ExpertParallel(mesh, dims, asked.ep_plan, asked.bucket_bytes)
+    fsdp = asked.data_parallel == "fsdp"
+    return ExpertParallel(
+        mesh, dims, asked.ep_plan, asked.bucket_bytes, fsdp, asked.parallelize if fsdp else None
+    )
 
 
-register(Kind(ExpertParallel.name, ("ep",), _claim, _make, order=5, options=("ep_plan",)))
+register(
+    Kind(
+        ExpertParallel.name,
+        ("ep",),
+        _claim,
+        _make,
+        order=5,
+        options=("ep_plan", "parallelize"),
+    )
+)

@@ -27,7 +27,7 @@ checkpointing or compile policy per stage (torchtitan's `parallelize_fn`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -67,8 +67,15 @@ class FSDP(Parallelism):
         dp_mesh: DeviceMesh,
         parallelize: Parallelize | None,
         bucket_bytes: int,
+        *,
+        dims: tuple[str, ...] | None = None,
+        leave_out: Callable[[torch.nn.Parameter], bool] | None = None,
     ) -> None:
-        self.dims = tuple(dp_mesh.mesh_dim_names or ())
+        # `dims`: the runner's mesh dimensions `dp_mesh` spans (a flattened
+        # mesh's names are not theirs); `leave_out`: parameters another
+        # parallelism keeps (expert parallelism's experts), left unsharded.
+        self.dims = dims if dims is not None else tuple(dp_mesh.mesh_dim_names or ())
+        self._leave_out = leave_out
         self._mesh = dp_mesh
         # Every replica's group (HSDP: its two dimensions flattened): the
         # tied parameters and the loss are averaged over it.
@@ -113,11 +120,16 @@ class FSDP(Parallelism):
             elif isinstance(module, FSDPModule):
                 pass  # sharded already, by the user's parallelize with tensor parallelism
             else:
+                leave_out = self._leave_out
                 fully_shard(
                     module,
                     mesh=dp_mesh,
                     reshard_after_forward=False,
-                    ignored_params={p for p in module.parameters() if id(p) in tied_ids},
+                    ignored_params={
+                        p
+                        for p in module.parameters()
+                        if id(p) in tied_ids or (leave_out is not None and leave_out(p))
+                    },
                 )
             held = {id(p) for p in module.parameters()}
             replaced = sorted(name for name, key in tied_names[s].items() if key not in held)
@@ -207,6 +219,8 @@ def _claim(names: tuple[str, ...] | None, left: tuple[str, ...], asked: Asked) -
         return ("dp_replicate", "dp_shard") if "dp_replicate" in left else ("dp_shard",)
     if asked.data_parallel != FSDP.name:
         return ()
+    if names is not None and "ep" in names and "dp" not in left:
+        return ()  # expert parallelism runs the data parallelism over its ranks
     if "dp" in left:
         return ("dp",)
     raise dp_dimension_missing(asked.data_parallel, names, " (or torchtitan's 'dp_shard')")

@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..graph.pipe import Pipe, StageSpec, TensorSpec
 from ..schedule.program import StageCollectives
+from ..schedule.timeline import TimelineEvent
 from .protocol import Asked, Kind, Parallelism, RankStages, kinds
 
 __all__ = ["Asked", "Layout"]
@@ -199,6 +200,9 @@ class Layout(Parallelism):
         for m in self.members:
             out.update(m.step_metrics())
         return out
+
+    def step_events(self, rank: int) -> list[TimelineEvent]:
+        return [e for m in self.members for e in m.step_events(rank)]
 
 
 def _check_data_parallel(asked: Asked) -> None:

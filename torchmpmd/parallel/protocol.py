@@ -19,8 +19,9 @@ default, so an implementation writes only what it does):
 - every training step, inside the schedule where the program has them
   (`collectives`, which the simulator and the timeline see too): `start_step`,
   `unshard(stage)`, `reduce_grads(stage)`, `finish`, then `step_metrics`
-  (what it measured: `StepOutput.metrics`); after a forward-only step,
-  `after_eval`;
+  (what it measured: `StepOutput.metrics`) and `step_events` (its
+  collectives inside tasks, for the timeline; `running_task` tells which);
+  after a forward-only step, `after_eval`;
 - after `init_weights` / `load_state_dict`: `make_equal`.
 
 Its process groups (`groups`) wait at most the runner's timeout during a
@@ -30,7 +31,9 @@ averages the loss and checks in the replicas' calls.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +44,7 @@ from torch.distributed.tensor import DTensor
 
 from ..graph.pipe import Pipe, StageSpec, TensorSpec
 from ..schedule.program import StageCollectives
+from ..schedule.timeline import TimelineEvent
 
 __all__ = [
     "Asked",
@@ -52,6 +56,8 @@ __all__ = [
     "kinds",
     "not_sharded_over",
     "register",
+    "running_forward",
+    "running_task",
 ]
 
 # RunnerOptions.parallelize: fn(stage module, mesh) applying the user's own
@@ -180,6 +186,11 @@ class Parallelism:
         """What it measured in the last step (`StepOutput.metrics`), after `finish`."""
         return {}
 
+    def step_events(self, rank: int) -> list[TimelineEvent]:
+        """Its collectives inside the last step's tasks, for the timeline
+        (seconds since the Unix epoch, as the executor's records)."""
+        return []
+
 
 @dataclass(frozen=True, slots=True)
 class Kind:
@@ -243,3 +254,24 @@ def not_sharded_over(tensors: list[torch.Tensor], dims: tuple[str, ...]) -> list
                 continue
         out.append(t)
     return out
+
+
+_running = threading.local()
+
+
+@contextlib.contextmanager
+def running_forward(stage: int, microbatch: int) -> Iterator[None]:
+    """Set by the runtime around a stage's forward: what a parallelism's
+    collectives inside it are part of (`running_task`)."""
+    before = getattr(_running, "task", None)
+    _running.task = (stage, microbatch)
+    try:
+        yield
+    finally:
+        _running.task = before
+
+
+def running_task() -> tuple[int, int] | None:
+    """The (stage, microbatch) whose forward this thread runs, or None."""
+    task: tuple[int, int] | None = getattr(_running, "task", None)
+    return task

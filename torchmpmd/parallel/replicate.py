@@ -259,6 +259,8 @@ def _claim(names: tuple[str, ...] | None, left: tuple[str, ...], asked: Asked) -
     "dp_replicate" alone (with "dp_shard" it is FSDP's hybrid sharding)."""
     if asked.data_parallel not in (None, Replicas.name):
         return ()
+    if names is not None and "ep" in names and "dp" not in left:
+        return ()  # expert parallelism runs the data parallelism over its ranks
     if "dp" in left:
         return ("dp",)
     if "dp_replicate" in left and "dp_shard" not in left:

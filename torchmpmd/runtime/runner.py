@@ -189,6 +189,7 @@ class PipelineRunner:
                 )
             layout.finish(self._traced.tied_parameters)
             self.timeline = compiled.measured_timeline(self.num_ranks)
+            self.timeline.events.extend(layout.step_events(self.rank))
             loss, losses = results.share_losses(
                 self._collective,
                 compiled.loss_rank,

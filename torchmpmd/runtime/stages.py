@@ -22,6 +22,7 @@ from ..graph.markers import compiled
 from ..graph.pipe import Pipe
 from ..graph.split import selective_recompute_context
 from ..graph.stage import as_stage
+from ..parallel.protocol import running_forward
 from .materialize import allocate
 from .microbatch import to_device
 from .rank_rng import checkpoint_rng, own_generator
@@ -224,6 +225,10 @@ class Training:
             return self._forward(stage, mb, received)
 
     def _forward(self, stage: int, mb: int, received: list[torch.Tensor]) -> list[torch.Tensor]:
+        with running_forward(stage, mb):
+            return self._run_forward(stage, mb, received)
+
+    def _run_forward(self, stage: int, mb: int, received: list[torch.Tensor]) -> list[torch.Tensor]:
         st, step = self._stages[mb], self._step
         split = st.split_graphs.get(stage)
         if split is not None:
@@ -263,7 +268,7 @@ class Evaluation:
     @_recorded
     def forward(self, stage: int, mb: int, received: list[torch.Tensor]) -> list[torch.Tensor]:
         st = self._stages[mb]
-        with own_generator():
+        with own_generator(), running_forward(stage, mb):
             outs = st.call(self._step, stage, mb, received)
         n = st.pipe.stage_specs[stage].num_sends
         if stage == st.last:

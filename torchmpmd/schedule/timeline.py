@@ -19,14 +19,16 @@ __all__ = ["COLLECTIVES", "Timeline", "TimelineEvent"]
 # a message in flight, a rank waiting for one.
 _TASK_KINDS = tuple(_C.schedule.TaskKind.__members__)
 COLLECTIVES = ("unshard", "reduce_grads")
-_OTHER_KINDS = ("transfer", "wait", *COLLECTIVES)
+# A parallelism's exchanges inside a task (expert parallelism's all-to-alls).
+EXCHANGES = ("dispatch", "combine")
+_OTHER_KINDS = ("transfer", "wait", *COLLECTIVES, *EXCHANGES)
 
 
 @dataclass(frozen=True, slots=True)
 class TimelineEvent:
     rank: int
     # A task kind's letter ("F", "B", ...); "unshard", "reduce_grads",
-    # "transfer" or "wait" otherwise.
+    # "dispatch", "combine", "transfer" or "wait" otherwise.
     kind: str
     stage: int
     microbatch: int
@@ -114,8 +116,9 @@ class TimelineEvent:
         return f"{self.kind} stage {self.stage}" if self.kind in COLLECTIVES else self.kind
 
 
-# Chrome-trace rows per rank: tasks 0, transfers 1, waits 2, collectives 3.
-_TRACK = {"transfer": 1, "wait": 2, **dict.fromkeys(COLLECTIVES, 3)}
+# Chrome-trace rows per rank: tasks 0, transfers 1, waits 2, collectives and
+# exchanges 3.
+_TRACK = {"transfer": 1, "wait": 2, **dict.fromkeys((*COLLECTIVES, *EXCHANGES), 3)}
 
 
 @dataclass(slots=True)

@@ -316,3 +316,50 @@ def test_wrap_stage_wraps_each_local_stage_once_per_traced_shape(mlp):
     (wider,), _ = case.inputs(3 * M)  # 3 rows per microbatch: traced again
     local.step(wider.double(), target=case.target(3 * M).double())
     assert len(asked) == 8 and len(calls) == 8 * M
+
+
+class _Accumulates(torch.nn.Module):
+    """Starts an accumulator from nothing (`h.new_zeros(())`, as a balance
+    loss summed over layers is) that crosses stages before anything adds to
+    it (made from a value of the first stage, it is sent, not made again):
+    it carries no gradient, and the stage plan must not say it does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.a(x)
+        total = h.new_zeros(())
+        h = self.b(h)
+        return h, total + h.pow(2).mean()
+
+
+def test_a_value_made_from_nothing_crosses_stages_without_a_gradient():
+    torch.manual_seed(0)
+    model, ref = _Accumulates().double(), _Accumulates().double()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = mpmd.trace(model, (x[:2],), split_before=["b"])
+
+    def loss(out, _y):
+        return out[0].sum() + out[1]
+
+    for xb in x.chunk(4):
+        (loss(ref(xb), None) / 4).backward()
+    # Every way a stage runs its backward: whole (B), split through its
+    # traced graphs, split through autograd (a stage cut by hand's way).
+    for schedule, split in [("OneFOneB", "auto"), ("ZeroBubbleH1", "auto"), ("OneFOneB", True)]:
+        local = LocalPipeline(
+            pipe,
+            getattr(mpmd.schedules, schedule)(4),
+            2,
+            loss_fn=loss,
+            timeout=30,
+            split_backward=split,
+        )
+        local.step(x)
+        for runner in local.runners:
+            for name, p in runner.named_parameters():
+                torch.testing.assert_close(p.grad, ref.get_parameter(name).grad, msg=name)
