@@ -176,18 +176,20 @@ def _record_routing(model, case: Case) -> dict[str, list[torch.Tensor]]:
     return seen
 
 
-def _check_traffic(runner, out, routing, ep_rank: int, row_bytes: int, what: str) -> None:
+def _check_traffic(runner, out, routing, shard: int, row_bytes: int, what: str) -> None:
     """The all-to-all bytes and tokens per expert the runner measured, from
     the unpipelined model's own routing of the same tokens: per MoE layer on
     this rank, the (token, expert) rows this rank sends the other ep rank and
     those it gets from it, each way forward (dispatch, combine) and backward."""
     experts_modules = [p for p in out.metrics["tokens_per_expert"]]
     assert experts_modules, what
+    # The data-parallel ranks are (dp, ep) flattened: my ep group's shards.
+    ep_rank, first = shard % EP, shard - shard % EP
     rows = 0
     for path in experts_modules:
         layer = next(k for k in routing if path.startswith(k + "."))
         chosen = routing[layer]  # every microbatch of every shard, in order
-        shards = [torch.cat(chosen[r * M : (r + 1) * M]) for r in range(EP)]
+        shards = [torch.cat(chosen[(first + r) * M : (first + r + 1) * M]) for r in range(EP)]
         experts = out.metrics["tokens_per_expert"][path].numel()
         owner = [c.reshape(-1) // (experts // EP) for c in shards]
         rows += int((owner[ep_rank] != ep_rank).sum())  # mine, to the other rank
@@ -235,11 +237,23 @@ def _expert_tensors(runner) -> dict[str, torch.Tensor]:
     }
 
 
-def train_ep(rank: int, world: int, combos: list[tuple[str, str, str | None]]) -> list[str]:
+# Meshes of 4 ranks: (shape, names).
+MESHES = {
+    "pp_ep": ((PP, EP), ("pp", "ep")),
+    # One pipeline rank holding both stages, replicas over dp of ep groups.
+    "dp_ep": ((1, 2, EP), ("pp", "dp", "ep")),
+}
+
+
+def train_ep(
+    rank: int, world: int, combos: list[tuple[str, str, str | None]], layout: str = "pp_ep"
+) -> list[str]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (PP, EP), mesh_dim_names=("pp", "ep"))
+    shape, names = MESHES[layout]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    replicas = world // shape[0]
     done = []
     for model_name, schedule_name, data_parallel in combos:
         case = MODELS[model_name]
@@ -256,7 +270,7 @@ def train_ep(rank: int, world: int, combos: list[tuple[str, str, str | None]]) -
             loss_fn=loss_fn,
             options=mpmd.RunnerOptions(timeout=60, data_parallel=data_parallel),
         )
-        assert runner.dp_size == EP, runner.dp_size
+        assert runner.dp_size == replicas, runner.dp_size
         shard_rank = dist.get_rank(runner.dp_group)
         opt = torch.optim.AdamW(runner.parameters(), lr=1e-2, weight_decay=0.01)
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
@@ -268,16 +282,16 @@ def train_ep(rank: int, world: int, combos: list[tuple[str, str, str | None]]) -
             assert p.to_local().shape[0] * EP == whole.shape[0], (fqn, p.to_local().shape)
         generator = torch.Generator().manual_seed(11)
         for step in range(2):
-            n = MICROBATCH * M * EP
+            n = MICROBATCH * M * replicas
             x = torch.randint(0, VOCAB, (n, SEQ), generator=generator)
             y = torch.randint(0, VOCAB, (n, SEQ), generator=generator)
             ref_opt.zero_grad(set_to_none=True)
             for chosen in routing.values():
                 chosen.clear()
             losses = []
-            for xb, yb in zip(x.chunk(M * EP), y.chunk(M * EP), strict=True):
+            for xb, yb in zip(x.chunk(M * replicas), y.chunk(M * replicas), strict=True):
                 loss = loss_fn(reference(xb), yb)
-                (loss / (M * EP)).backward()
+                (loss / (M * replicas)).backward()
                 losses.append(loss.detach())
             ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
             ref_opt.step()
@@ -285,7 +299,7 @@ def train_ep(rank: int, world: int, combos: list[tuple[str, str, str | None]]) -
             opt.zero_grad(set_to_none=True)
             part = slice(shard_rank * MICROBATCH * M, (shard_rank + 1) * MICROBATCH * M)
             out = runner.step(x[part], target=y[part])
-            what = f"{model_name} {schedule_name} step {step} rank {rank}"
+            what = f"{layout} {model_name} {schedule_name} step {step} rank {rank}"
             row_bytes = case.hidden * dtype.itemsize
             _check_traffic(runner, out, routing, shard_rank, row_bytes, what)
             torch.testing.assert_close(
@@ -335,6 +349,15 @@ def test_pipeline_times_expert_parallel_trains_like_the_unpipelined_model():
         ("deepseek_v3_f32", "Interleaved1F1B", None),
     ]
     reports = check_all(run_ranks(train_ep, PP * EP, combos))
+    assert all(len(r) == len(combos) for r in reports)
+
+
+@pytest.mark.slow
+def test_expert_parallel_replicas_over_dp_train_like_the_unpipelined_model():
+    # (pp 1, dp 2, ep 2): the experts are replicated over dp (their
+    # gradients averaged there, divided by ep), the rest over dp and ep.
+    combos = [("titan", "Interleaved1F1B", None), ("titan", "ZBV", "fsdp")]
+    reports = check_all(run_ranks(train_ep, 4, combos, "dp_ep"))
     assert all(len(r) == len(combos) for r in reports)
 
 
