@@ -277,9 +277,11 @@ def train_ep(
         local = dict(runner.named_parameters())
         experts = _expert_tensors(runner)
         assert experts, "no expert parameter is sharded over ep"
+        # Each rank holds experts / ep of every layer's (under FSDP, / dp of that).
+        share = replicas if data_parallel == "fsdp" else EP
         for fqn, p in experts.items():
             whole = reference.get_parameter(fqn)
-            assert p.to_local().shape[0] * EP == whole.shape[0], (fqn, p.to_local().shape)
+            assert p.to_local().shape[0] * share == whole.shape[0], (fqn, p.to_local().shape)
         generator = torch.Generator().manual_seed(11)
         for step in range(2):
             n = MICROBATCH * M * replicas
@@ -327,11 +329,15 @@ def train_ep(
                     msg=f"{what}: {fqn} after AdamW",
                 )
         if data_parallel == "fsdp":
-            # FSDP2 over the ep ranks holds half of every other parameter.
+            # FSDP2 over every data-parallel rank holds 1 / replicas of every
+            # other parameter; the experts 1 / ep, and 1 / dp of that.
             dense = [p for n, p in local.items() if n not in experts]
             held = sum(p.to_local().numel() for p in dense if hasattr(p, "to_local"))
             whole = sum(p.numel() for p in dense)
-            assert held <= 1.1 * whole / EP, (held, whole)
+            assert held <= 1.1 * whole / replicas, (held, whole)
+            held = sum(p.to_local().numel() for p in experts.values())
+            whole = sum(p.numel() for p in experts.values())
+            assert held <= 1.1 * whole / replicas, (held, whole)
         done.append(f"{model_name} {schedule_name}")
     return done
 

@@ -320,16 +320,27 @@ class ExpertParallel(Parallelism):
             self._dp_group = None
             flat, self._group = self.ep_mesh, self.ep_group
         self._expert_ids: set[int] = set()
-        # The dense part: replicas, or FSDP2 over every data-parallel rank
-        # (the experts left out of its sharding).
+        dp = dist.get_world_size(self._dp_group) if self._dp_group is not None else 1
+        self._dp_mesh = root[data[0]] if data else None
+        # The dense part: replicas, or FSDP2 over every data-parallel rank;
+        # under FSDP the experts are sharded over what is left of dp (FSDP2
+        # units of their own, their gradients divided by dp x ep), or left
+        # out without a dp dimension.
+        self._experts_sharded = fsdp and self._dp_mesh is not None
         self._dense: Replicas | FSDP = (
-            FSDP(flat, parallelize, bucket, dims=dims, leave_out=self._is_expert)
+            FSDP(
+                flat,
+                parallelize,
+                bucket,
+                dims=dims,
+                leave_out=None if self._experts_sharded else self._is_expert,
+                inner=self._shard_experts_over_dp if self._experts_sharded else None,
+            )
             if fsdp
             else Replicas(self._group, dims, bucket, select=self._is_dense)
         )
         if fsdp:
             self.collectives = StageCollectives(unshard=True, reduce_grads=True)
-        dp = dist.get_world_size(self._dp_group) if self._dp_group is not None else 1
         self._experts = Replicas(
             self._dp_group if self._dp_group is not None else self.ep_group,
             data,
@@ -464,7 +475,24 @@ class ExpertParallel(Parallelism):
             if isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
         }
         self._dense.attach(stages)
+        if self._experts_sharded:
+            self._expert_ids = set()  # their own FSDP2 units reduce them
         self._experts.attach(stages)
+
+    def _shard_experts_over_dp(self, stage: torch.nn.Module) -> None:
+        """FSDP2 over dp for each experts module of `stage` (its parameters
+        DTensors over ep already: 2-D, as FSDP2 with tensor parallelism), a
+        gradient being a sum over every ep rank's tokens: divided by dp x ep."""
+        from torch.distributed.fsdp import fully_shard
+
+        assert self._dp_mesh is not None
+        for module in stage.modules():
+            forward = module.__dict__.get("forward")
+            if isinstance(forward, _Dispatch):
+                fully_shard(module, mesh=self._dp_mesh, reshard_after_forward=False)
+                divide = getattr(module, "set_gradient_divide_factor", None)
+                if divide is not None:
+                    divide(float(self._experts.divisor))
 
     def start_equal(self, tensors: list[torch.Tensor]) -> None:
         """Every data-parallel rank starts from the first's dense tensors; an

@@ -70,12 +70,17 @@ class FSDP(Parallelism):
         *,
         dims: tuple[str, ...] | None = None,
         leave_out: Callable[[torch.nn.Parameter], bool] | None = None,
+        inner: Callable[[torch.nn.Module], None] | None = None,
     ) -> None:
         # `dims`: the runner's mesh dimensions `dp_mesh` spans (a flattened
         # mesh's names are not theirs); `leave_out`: parameters another
         # parallelism keeps (expert parallelism's experts), left unsharded.
         self.dims = dims if dims is not None else tuple(dp_mesh.mesh_dim_names or ())
         self._leave_out = leave_out
+        # Called on each stage before its fully_shard: another parallelism's
+        # own FSDP2 units inside it (expert parallelism's experts over dp),
+        # which the stage's sharding then leaves to them.
+        self._inner = inner
         self._mesh = dp_mesh
         # Every replica's group (HSDP: its two dimensions flattened): the
         # tied parameters and the loss are averaged over it.
@@ -120,6 +125,8 @@ class FSDP(Parallelism):
             elif isinstance(module, FSDPModule):
                 pass  # sharded already, by the user's parallelize with tensor parallelism
             else:
+                if self._inner is not None:
+                    self._inner(module)
                 leave_out = self._leave_out
                 fully_shard(
                     module,
