@@ -1,6 +1,10 @@
 """A small GPT (nanoGPT-style) with tied input/output embeddings, and
 `lm_loss`, the next-token loss it trains with (also the loss of the
-benchmarks, the GPU checks and the tests' language models)."""
+benchmarks, the GPU checks and the tests' language models). With
+`GPTConfig(experts=N)` each block's MLP is a mixture of N experts (top-k
+token-choice routing, the experts stacked as Hugging Face's and
+torchtitan's are), which expert parallelism shards over an "ep" mesh
+dimension."""
 
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ class GPTConfig:
     layers: int = 8
     dropout: float = 0.0
     tie_embeddings: bool = True
+    experts: int = 0  # 0: dense MLPs; N: a mixture of N experts per block
+    top_k: int = 2  # experts per token
 
 
 def residual_std(cfg: GPTConfig) -> float:
@@ -47,16 +53,62 @@ class CausalSelfAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
 
 
+class Experts(nn.Module):
+    """Every expert's MLP, stacked (`[experts, ...]` parameters), called as
+    Hugging Face's experts modules are: with the tokens, the experts each
+    chose and their weights. Each expert runs the rows routed to it."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.num_experts = cfg.experts
+        hidden = 4 * cfg.dim // cfg.top_k  # top-k experts: a dense MLP's compute
+        self.up = nn.Parameter(torch.empty(cfg.experts, hidden, cfg.dim))
+        self.down = nn.Parameter(torch.empty(cfg.experts, cfg.dim, hidden))
+        self.init_std = residual_std(cfg)
+
+    def forward(
+        self, tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        out = torch.zeros_like(tokens)
+        for e in range(self.num_experts):
+            rows, slot = torch.nonzero(chosen == e, as_tuple=True)
+            h = F.gelu(tokens[rows] @ self.up[e].t()) @ self.down[e].t()
+            out = out.index_add(0, rows, h * weights[rows, slot, None])
+        return out
+
+
+class MoE(nn.Module):
+    """Token-choice top-k routing over `Experts` (weights renormalised over
+    the chosen experts)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.router = nn.Linear(cfg.dim, cfg.experts, bias=False)
+        self.experts = Experts(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        tokens = x.reshape(b * t, d)
+        weights, chosen = torch.softmax(self.router(tokens), dim=-1).topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return self.experts(tokens, chosen, weights).reshape(b, t, d)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.dim)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.dim)
-        self.mlp = nn.Sequential(
-            nn.Linear(cfg.dim, 4 * cfg.dim), nn.GELU(), nn.Linear(4 * cfg.dim, cfg.dim)
-        )
-        self.mlp[2].init_std = residual_std(cfg)  # type: ignore[assignment]
+        self.mlp: nn.Module
+        if cfg.experts:
+            self.mlp = MoE(cfg)
+        else:
+            self.mlp = nn.Sequential(
+                nn.Linear(cfg.dim, 4 * cfg.dim), nn.GELU(), nn.Linear(4 * cfg.dim, cfg.dim)
+            )
+            self.mlp[2].init_std = residual_std(cfg)  # type: ignore[assignment]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -105,6 +157,9 @@ class GPT(nn.Module):
         elif isinstance(m, nn.LayerNorm):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
+        elif isinstance(m, Experts):
+            nn.init.normal_(m.up, std=0.02)
+            nn.init.normal_(m.down, std=m.init_std)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(ids.shape[1], device=ids.device)

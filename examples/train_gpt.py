@@ -4,13 +4,20 @@
     torchrun --standalone --nproc_per_node=4 examples/train_gpt.py --schedule gpipe
     torchrun --standalone --nproc_per_node=4 examples/train_gpt.py --dp 2 --meta-init
     torchrun --standalone --nproc_per_node=4 examples/train_gpt.py --tp 2
+    torchrun --standalone --nproc_per_node=4 examples/train_gpt.py --moe --ep 2
 
 Gloo on CPU, NCCL on GPUs (one per process, chosen by LOCAL_RANK; pick the
 backend with --device). The processes form a (pp, dp[, tp]) DeviceMesh:
 `--dp N` makes N data-parallel replicas of a pipeline over world / N ranks,
 each stepping on its shard of the global batch; `--tp N` runs every stage on
 N ranks with its parameters sharded as the model's `_tp_plan` says (world =
-pp x dp x tp; keep tp inside a node). Every rank reads the same batches
+pp x dp x tp; keep tp inside a node). `--moe` makes every block's MLP a
+mixture of `--experts` experts, and `--ep N` shards each block's experts
+over N ranks (a (pp, dp, ep) mesh, world = pp x dp x ep): each holds
+experts / N of every block, the tokens travel to their experts' ranks by
+all-to-all, and the ep ranks are data-parallel for the rest (each steps on
+its own shard of the batch); the log shows the busiest expert's tokens
+against the mean. Every rank reads the same batches
 and keeps only its stages; `--meta-init` builds the model on the meta device
 and initialises each rank's stages in place, so no rank ever holds the whole
 model. Shows a progress bar with the loss and tokens/s on rank 0, writes
@@ -64,11 +71,19 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--tp", type=int, default=1, help="tensor-parallel ranks per stage (world = pp x dp x tp)"
     )
+    p.add_argument("--moe", action="store_true", help="a mixture of experts in every block")
+    p.add_argument("--experts", type=int, default=4, help="with --moe: experts per block")
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="with --moe: expert-parallel ranks sharing each block's experts (world = pp x dp x ep)",
+    )
     p.add_argument(
         "--data-parallel",
         choices=["replicate", "fsdp"],
         default="replicate",
-        help="with --dp > 1: average replicated gradients, or shard each stage with FSDP2",
+        help="with --dp or --ep > 1: average replicated gradients, or shard each stage with FSDP2",
     )
     p.add_argument(
         "--meta-init",
@@ -181,6 +196,20 @@ def save_timeline_png(runner: mpmd.PipelineRunner, path: Path) -> str:
     )
 
 
+def expert_balance(metrics: dict) -> dict[str, float | int]:
+    """From a step's metrics under expert parallelism: the busiest expert's
+    tokens over the mean (1.0: balanced), and the all-to-all bytes this rank
+    sent; nothing without it."""
+    tokens = metrics.get("tokens_per_expert")
+    if not tokens:
+        return {}
+    counts = torch.stack([t.double() for t in tokens.values()])
+    return {
+        "busiest_expert_over_mean": float((counts.max(1).values / counts.mean(1)).max()),
+        "all_to_all_bytes": int(metrics["all_to_all_sent_bytes"]),
+    }
+
+
 def main() -> None:
     args = parse_args()
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -200,21 +229,35 @@ def main() -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     if not use_cuda:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    if world % (args.dp * args.tp):
-        raise SystemExit(f"--dp {args.dp} x --tp {args.tp} does not divide the {world} processes")
-    pp_size = world // (args.dp * args.tp)
+    if args.ep > 1 and (not args.moe or args.tp > 1):
+        raise SystemExit("--ep shards the experts of --moe, without --tp")
+    if world % (args.dp * args.tp * args.ep):
+        raise SystemExit(
+            f"--dp {args.dp} x --tp {args.tp} x --ep {args.ep} does not divide the {world} "
+            "processes"
+        )
+    pp_size = world // (args.dp * args.tp * args.ep)
     if args.tp > 1:
         shape, names = (pp_size, args.dp, args.tp), ("pp", "dp", "tp")
+    elif args.ep > 1:
+        shape, names = (pp_size, args.dp, args.ep), ("pp", "dp", "ep")
     else:
         shape, names = (pp_size, args.dp), ("pp", "dp")
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
-    pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    pp_rank = mesh.get_local_rank("pp")
+    replicas = args.dp * args.ep  # data-parallel ranks: each steps on its own shard
 
     data = torch.frombuffer(bytearray(CORPUS.read_bytes()), dtype=torch.uint8).long()
     split = int(0.9 * data.numel())
     train, held_out = data[:split], data[split:]
 
-    cfg = GPTConfig(seq_len=args.seq_len, dim=args.dim, heads=args.heads, layers=args.layers)
+    cfg = GPTConfig(
+        seq_len=args.seq_len,
+        dim=args.dim,
+        heads=args.heads,
+        layers=args.layers,
+        experts=args.experts if args.moe else 0,
+    )
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     if args.meta_init:
         with torch.device("meta"):
@@ -236,7 +279,7 @@ def main() -> None:
         device=device,
         loss_fn=lm_loss,
         options=mpmd.RunnerOptions(
-            data_parallel=args.data_parallel if args.dp > 1 else None, timeout=args.timeout
+            data_parallel=args.data_parallel if replicas > 1 else None, timeout=args.timeout
         ),
     )
     if args.meta_init:
@@ -251,12 +294,13 @@ def main() -> None:
     all_bytes: list[int | None] = [None] * world
     dist.all_gather_object(all_bytes, local_bytes)
     batch_size = args.microbatches * args.microbatch_size  # per data-parallel rank
-    tokens_per_step = batch_size * args.seq_len * args.dp
+    tokens_per_step = batch_size * args.seq_len * replicas
     if rank == 0:
         n = sum(p.numel() for p in model.parameters())
         print(
             f"\n{n / 1e6:.2f}M parameters, {num_stages} stages on {pp_size} pipeline ranks x "
-            f"{args.dp} data-parallel x {args.tp} tensor-parallel ({dist.get_backend()}), "
+            f"{args.dp} data-parallel x {args.tp} tensor-parallel x {args.ep} expert-parallel "
+            f"({dist.get_backend()}), "
             f"{type(schedule).__name__}, "
             f"{args.microbatches} x {args.microbatch_size} sequences of {args.seq_len} per "
             "step and replica",
@@ -284,7 +328,8 @@ def main() -> None:
                 )
         if rank == 0:
             print(f"resumed from {resume} at step {first_step}", flush=True)
-    stream = batches(train, batch_size * args.dp, args.seq_len, args.seed, first_step)
+    stream = batches(train, batch_size * replicas, args.seq_len, args.seed, first_step)
+    dp_rank = dist.get_rank(runner.dp_group) if runner.dp_group is not None else 0
     shard = slice(dp_rank * batch_size, (dp_rank + 1) * batch_size)
     steps = range(first_step, args.steps + 1)
     metrics = Metrics(Path(args.log_dir), steps, not args.no_progress) if rank == 0 else None
@@ -321,6 +366,7 @@ def main() -> None:
             loss = out.loss.item()
             metrics.bar.update(1)
             metrics.bar.set_postfix(loss=f"{loss:.3f}", tokens_s=f"{rate:,.0f}", refresh=False)
+            balance = expert_balance(out.metrics)
             metrics.log(
                 step,
                 loss=loss,
@@ -328,9 +374,14 @@ def main() -> None:
                 tokens_per_s=rate,
                 elapsed_s=time.perf_counter() - train_start,
                 **({"grad_norm": float(norm)} if norm is not None else {}),
+                **balance,
             )
             if step % args.log_every == 0 or step == first_step:
-                say(f"step {step:4d}  loss {loss:.4f}  {rate:,.0f} tokens/s")
+                moe = "".join(
+                    f"  {k.replace('_', ' ')} {v:,.2f}" if isinstance(v, float) else f"  {k} {v:,}"
+                    for k, v in balance.items()
+                )
+                say(f"step {step:4d}  loss {loss:.4f}  {rate:,.0f} tokens/s{moe}")
             window_start, window_tokens = time.perf_counter(), 0
     trained = time.perf_counter() - train_start
 

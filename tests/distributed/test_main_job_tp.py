@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,7 +28,9 @@ ARGS = [
 ]
 
 
-def _run(tmp_path: Path, procs: int, *extra: str) -> list[float]:
+def _run(tmp_path: Path, procs: int, *extra: str, output: bool = False) -> Any:
+    """The job's losses per step (with `output`: and what it printed)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     log = tmp_path / f"losses-{procs}.log"
     done = subprocess.run(
         [
@@ -49,7 +52,8 @@ def _run(tmp_path: Path, procs: int, *extra: str) -> list[float]:
         timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    return [float(line.split()[1]) for line in log.read_text().splitlines()]
+    losses = [float(line.split()[1]) for line in log.read_text().splitlines()]
+    return (losses, done.stdout) if output else losses
 
 
 def test_train_gpt_with_tp_2_trains_as_the_job_without_it(tmp_path):

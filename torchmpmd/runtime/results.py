@@ -15,7 +15,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from .. import _C
 from ..graph.pipe import Pipe
 from ..schedule.task import Task
-from ..schedule.timeline import COLLECTIVES, Timeline, TimelineEvent
+from ..schedule.timeline import COLLECTIVES, EXCHANGES, Timeline, TimelineEvent
 from .checks import clip_options
 from .collective import Collective
 from .microbatch import merge
@@ -163,8 +163,9 @@ def gather_timeline(
     """`PipelineRunner.gather_timeline`: every rank's last measured timeline."""
     if timeline is None:
         raise RuntimeError("gather_timeline: run a step first")
-    # Measured events are tasks and data-parallel collectives.
-    kinds = [*_C.schedule.TaskKind.__members__, *COLLECTIVES]
+    # Measured events are tasks, data-parallel collectives and exchanges
+    # inside tasks (their labels stay on their rank).
+    kinds = [*_C.schedule.TaskKind.__members__, *COLLECTIVES, *EXCHANGES]
     me = collective.rank
     totals = [timeline.peak_activation_bytes[me], *_messages(timeline, me)]
     # float64 holds nanosecond times and byte counts (< 2**53) exactly; the

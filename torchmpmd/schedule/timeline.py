@@ -113,6 +113,8 @@ class TimelineEvent:
             return str(task)
         if self.label:
             return self.label
+        if self.kind in EXCHANGES:
+            return f"{self.kind} stage {self.stage} mb {self.microbatch}"
         return f"{self.kind} stage {self.stage}" if self.kind in COLLECTIVES else self.kind
 
 
