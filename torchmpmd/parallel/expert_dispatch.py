@@ -1,0 +1,233 @@
+"""Expert parallelism's token exchange (`expert.py` shards the experts and
+drives it): an experts module's call over the ep group, `Dispatch`, which
+sends each routed token row to its expert's rank by all-to-all, runs the
+module's own forward on what arrived, and brings the results back (see
+`expert.py`'s docstring); what it moved and when (`Traffic`)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from .protocol import running_task
+
+__all__ = ["GROUPED", "PARAMETER", "STYLES", "TOPK", "Dispatch", "Traffic"]
+
+TOPK = "ep_dispatch_experts"  # Hugging Face: (tokens, top-k ids, top-k weights)
+GROUPED = "grouped_experts"  # torchtitan: (rows sorted by expert, tokens per expert)
+PARAMETER = "grouped_gemm"  # Hugging Face's entries for the experts' parameters
+STYLES = (TOPK, GROUPED, PARAMETER)
+
+
+@dataclass(slots=True)
+class Traffic:
+    """What this rank's experts modules moved and ran in one step: bytes
+    sent to other ranks by the all-to-alls (dispatch and combine, forward
+    and backward), per experts module the tokens each of its local experts
+    ran, and each all-to-all's interval (for the timeline)."""
+
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    tokens: dict[str, torch.Tensor] = field(default_factory=dict)  # path -> per local expert
+    # (kind, stage, microbatch, start, end, label), seconds since the epoch.
+    intervals: list[tuple[str, int, int, float, float, str]] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.sent_bytes = 0
+        self.received_bytes = 0
+        self.tokens = {}
+        self.intervals = []
+
+
+@dataclass(frozen=True, slots=True)
+class _Exchange:
+    """One all-to-all of an experts module's call: which, over what, for
+    which (stage, microbatch)'s forward (None outside a pipeline task)."""
+
+    kind: str  # "dispatch" or "combine"
+    path: str
+    group: dist.ProcessGroup
+    traffic: Traffic
+    task: tuple[int, int] | None
+
+    def run(
+        self, x: torch.Tensor, recv: list[int], send: list[int], backward: bool = False
+    ) -> torch.Tensor:
+        """Rows of `x` to the group's ranks (`send[r]` rows to rank r),
+        `recv[r]` rows from each, counted, timed and named if it fails."""
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        what = f"{self.kind}{' backward' if backward else ''} {self.path}"
+        start = time.time()
+        with torch.profiler.record_function(f"ep {what}"):
+            try:
+                dist.all_to_all_single(out, x.contiguous(), recv, send, group=self.group)
+            except RuntimeError as err:
+                raise RuntimeError(self.failed(what, err)) from err
+        end = time.time()
+        me = dist.get_rank(self.group)
+        row = x[0].numel() * x.element_size() if x.dim() else x.element_size()
+        self.traffic.sent_bytes += (sum(send) - send[me]) * row
+        self.traffic.received_bytes += (sum(recv) - recv[me]) * row
+        stage, mb = self.task if self.task is not None else (-1, -1)
+        if stage >= 0:
+            self.traffic.intervals.append((self.kind, stage, mb, start, end, f"ep {what}"))
+        return out
+
+    def failed(self, what: str, err: BaseException) -> str:
+        ranks = dist.get_process_group_ranks(self.group)
+        me = dist.get_rank()
+        peers = [r for r in ranks if r != me]
+        where = (
+            f" in stage {self.task[0]}'s microbatch {self.task[1]}" if self.task is not None else ""
+        )
+        return (
+            f"expert parallelism: rank {me}'s all-to-all ({what}){where} over the ep ranks "
+            f"{ranks} did not complete: {str(err).splitlines()[0] if str(err) else err!r}; "
+            f"the peer it waited for is among ranks {peers} (stalled, failed or gone: its own "
+            "error names the cause)"
+        )
+
+
+def _all_to_all(
+    x: torch.Tensor, recv: list[int], send: list[int], exchange: _Exchange
+) -> torch.Tensor:
+    out: torch.Tensor = _AllToAll.apply(x, recv, send, exchange)  # type: ignore[no-untyped-call]
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """`_Exchange.run`, whose backward sends the gradients the other way."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, recv: list[int], send: list[int], exchange: _Exchange
+    ) -> torch.Tensor:
+        ctx.recv, ctx.send, ctx.exchange = recv, send, exchange
+        return exchange.run(x, recv, send)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return ctx.exchange.run(grad, ctx.send, ctx.recv, backward=True), None, None, None
+
+
+def _counts(ids: torch.Tensor, experts: int) -> torch.Tensor:
+    return torch.bincount(ids.reshape(-1).long(), minlength=experts)[:experts]
+
+
+class Dispatch:
+    """One experts module's call over the ep group (see the module docstring)."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        path: str,
+        style: str,
+        local: int,
+        group: dist.ProcessGroup,
+        traffic: Traffic,
+    ) -> None:
+        self.module, self.path, self.style, self.local = module, path, style, local
+        self.group, self.traffic = group, traffic
+        self.size = dist.get_world_size(group)
+        self.forward = type(module).forward
+
+    def __call__(self, *args: Any) -> torch.Tensor:
+        if self.style == TOPK:
+            return self._top_k(*args)
+        return self._grouped(*args)
+
+    def _exchanges(self) -> tuple[_Exchange, _Exchange]:
+        task = running_task()
+        return (
+            _Exchange("dispatch", self.path, self.group, self.traffic, task),
+            _Exchange("combine", self.path, self.group, self.traffic, task),
+        )
+
+    def _split_sizes(
+        self, per_expert: torch.Tensor, dispatch: _Exchange
+    ) -> tuple[torch.Tensor, list[int], list[int]]:
+        """(tokens each rank sends me per local expert [ep, local], the rows
+        I send each rank, the rows each rank sends me): the one exchange of
+        sizes, and the one host read, of the layer."""
+        send_counts = per_expert.reshape(self.size, self.local).contiguous()
+        recv_counts = torch.empty_like(send_counts)
+        try:
+            dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        except RuntimeError as err:
+            raise RuntimeError(dispatch.failed(f"split sizes {self.path}", err)) from err
+        send = send_counts.sum(1).tolist()
+        recv = recv_counts.sum(1).tolist()
+        return recv_counts, send, recv
+
+    def _run_local(self, *args: Any) -> torch.Tensor:
+        with _local_parameters(self.module):
+            out: torch.Tensor = self.forward(self.module, *args)
+        return out
+
+    def _record(self, recv_counts: torch.Tensor) -> None:
+        seen = self.traffic.tokens.get(self.path)
+        ran = recv_counts.sum(0)
+        self.traffic.tokens[self.path] = ran if seen is None else seen + ran
+
+    def _top_k(
+        self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        tokens, k = top_k_index.shape
+        experts = self.local * self.size
+        ids = top_k_index.reshape(-1)
+        order = torch.argsort(ids, stable=True)
+        dispatch, combine = self._exchanges()
+        recv_counts, send, recv = self._split_sizes(_counts(ids, experts), dispatch)
+        self._record(recv_counts)
+        rows = _all_to_all(hidden[order // k], recv, send, dispatch)
+        local_ids = torch.arange(self.local, device=hidden.device).repeat(self.size)
+        local_ids = local_ids.repeat_interleave(recv_counts.reshape(-1), output_size=sum(recv))
+        # Unit weights: the routing weights are applied where the token lives.
+        ones = torch.ones((rows.shape[0], 1), dtype=top_k_weights.dtype, device=rows.device)
+        out = self._run_local(rows, local_ids[:, None], ones)
+        back = _all_to_all(out, send, recv, combine)
+        placed = back.new_zeros(back.shape).index_copy(0, order, back)
+        weighted = placed.reshape(tokens, k, -1) * top_k_weights.unsqueeze(-1).to(placed.dtype)
+        return weighted.sum(1).to(hidden.dtype)
+
+    def _grouped(self, rows: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
+        dispatch, combine = self._exchanges()
+        recv_counts, send, recv = self._split_sizes(per_expert.long(), dispatch)
+        self._record(recv_counts)
+        got = _all_to_all(rows, recv, send, dispatch)
+        # Received per source rank, each part by local expert: regroup by
+        # local expert (every source's rows of expert 0 first, ...).
+        flat = recv_counts.reshape(-1)
+        starts = torch.cumsum(flat, 0) - flat
+        by_expert = recv_counts.t().reshape(-1)
+        start_of = starts.reshape(self.size, self.local).t().reshape(-1)
+        first = torch.repeat_interleave(start_of, by_expert, output_size=sum(recv))
+        within = torch.arange(sum(recv), device=rows.device) - torch.repeat_interleave(
+            torch.cumsum(by_expert, 0) - by_expert, by_expert, output_size=sum(recv)
+        )
+        order = first + within
+        ran = self._run_local(got[order], recv_counts.sum(0).to(per_expert.dtype))
+        back = ran.new_zeros(ran.shape).index_copy(0, order, ran)
+        return _all_to_all(back, send, recv, combine)
+
+
+@contextlib.contextmanager
+def _local_parameters(module: torch.nn.Module) -> Iterator[None]:
+    """The module's DTensor parameters as their local shards (differentiable:
+    the gradient reaches the DTensor) while its own forward runs."""
+    saved: dict[str, Any] = dict(module._parameters)
+    slots: dict[str, Any] = module._parameters
+    for name, p in saved.items():
+        if isinstance(p, DTensor):
+            slots[name] = p.to_local()
+    try:
+        yield
+    finally:
+        module._parameters.update(saved)
