@@ -528,3 +528,55 @@ def test_a_stalled_ep_peer_fails_the_all_to_all_within_the_timeout_naming_it():
     assert "F(stage=0, mb=0)" in message, message
     for other in results[1:]:
         assert other != "no error", results
+
+
+def refusals(rank: int, world: int) -> dict[str, str]:
+    """What expert parallelism does not run, each refused before anything
+    runs, with what to do (2 ranks: one pipeline rank, ep 2)."""
+    from titan_moe import MoEArgs, Transformer, moe_loss
+    from torch.distributed.device_mesh import init_device_mesh
+
+    x0 = torch.randint(0, VOCAB, (MICROBATCH, SEQ))
+
+    def pipe(experts: int = 4):
+        torch.manual_seed(0)
+        model = Transformer(MoEArgs(vocab_size=VOCAB, num_experts=experts)).double()
+        return mpmd.trace(model, (x0,))
+
+    pp_ep = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "ep"))
+    ep_dp = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("pp", "ep", "dp"))
+    ep_tp = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("pp", "ep", "tp"))
+    cases = {
+        "plan without ep": (pipe(), None, {"ep_plan": {"layers.*.moe.experts": "grouped_experts"}}),
+        "ep before dp": (pipe(), ep_dp, {}),
+        "ep with tp": (pipe(), ep_tp, {}),
+        "unknown style": (pipe(), pp_ep, {"ep_plan": {"layers.*.moe.experts": "colwise"}}),
+        "names nothing": (pipe(), pp_ep, {"ep_plan": {"layers.*.mlp.experts": "grouped_experts"}}),
+        "uneven": (pipe(3), pp_ep, {}),
+    }
+    errors = {}
+    for name, (p, mesh, options) in cases.items():
+        try:
+            mpmd.PipelineRunner(
+                p,
+                mpmd.schedules.GPipe(2),
+                mesh=mesh,
+                loss_fn=moe_loss,
+                options=mpmd.RunnerOptions(timeout=30, **options),
+            )
+            errors[name] = "no error"
+        except (ValueError, TypeError) as err:
+            errors[name] = str(err)
+    return errors
+
+
+@pytest.mark.slow
+def test_what_expert_parallelism_does_not_run_is_refused_with_what_to_do():
+    errors = check_all(run_ranks(refusals, 2, deadline=120))[0]
+    assert "ep_plan needs a mesh with an 'ep' dimension" in errors["plan without ep"], errors
+    assert "'ep' dimension must come after 'dp'" in errors["ep before dp"], errors
+    assert "tensor parallelism" in errors["ep with tp"] and "do not combine" in errors["ep with tp"]
+    assert "has style 'colwise'; the styles are" in errors["unknown style"], errors
+    assert "['layers.*.mlp.experts'] name no experts module" in errors["names nothing"], errors
+    assert "'layers.1.moe.experts'" in errors["names nothing"], errors  # the ones there are
+    assert "holds 3 experts" in errors["uneven"] and "2 ep ranks" in errors["uneven"], errors

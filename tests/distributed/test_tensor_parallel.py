@@ -429,6 +429,53 @@ def test_sequence_parallel_with_a_split_backward_and_two_stages_per_rank():
             assert predicted == [sent, received], r  # the simulator charges what is sent
 
 
+def _torchtitan_style_plan() -> dict:
+    """GPT_SP_PLAN as a torchtitan parallelize.py writes it: torch's
+    ParallelStyle objects, with their layouts and PrepareModuleInput hints."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    enter = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return {
+        "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "blocks.*.ln1": SequenceParallel(),
+        "blocks.*.attn": enter,
+        "blocks.*.attn.qkv": ColwiseParallel(),
+        "blocks.*.attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+        "blocks.*.ln2": SequenceParallel(),
+        "blocks.*.mlp": enter,
+        "blocks.*.mlp.0": ColwiseParallel(),
+        "blocks.*.mlp.2": RowwiseParallel(output_layouts=Shard(1)),
+        "ln_f": SequenceParallel(),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+
+
+def test_a_plan_of_torchs_parallel_styles_runs_as_written():
+    # A torchtitan user's plan as it is (ParallelStyle objects), sequence
+    # parallel, on the bundled GPT with tied embeddings: the unpipelined
+    # model's loss and gradients at 1e-10.
+    results = check_all(
+        run_ranks(
+            model_on_pp_tp,
+            4,
+            [("OneFOneB", 2)],
+            1,
+            True,
+            "gpt",
+            "replicate",
+            _torchtitan_style_plan(),
+            deadline=300,
+        )
+    )
+    assert all(len(r) == 1 for r in results), results
+
+
 def test_pipeline_times_data_times_tensor_parallel():
     # 8 processes: pp 2 x dp 2 x tp 2, replicas averaging their sharded
     # gradients over dp (each tp coordinate its own dp group), tied weights.

@@ -85,7 +85,7 @@ class Asked:
 
     data_parallel: str | None = None
     parallelize: Parallelize | None = None
-    tp_plan: Mapping[str, str] | None = None
+    tp_plan: Mapping[str, Any] | None = None
     compile: object = False
     bucket_bytes: int = 25 * 2**20
     ep_plan: Mapping[str, Any] | None = None

@@ -1,6 +1,8 @@
 """A tensor-parallel plan (`TensorPlan`): module-path patterns and their
 styles, in Hugging Face's `tp_plan` format, and where each style places a
-module's parameters (`STYLES`) and hands on its output."""
+module's parameters (`STYLES`) and hands on its output. A plan may give
+torch's `ParallelStyle` objects instead of names, as a torchtitan
+`parallelize.py` writes them (`style_name`)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.distributed.tensor.parallel
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 __all__ = ["STYLES", "TensorPlan"]
@@ -63,6 +66,50 @@ _INPUT_PLACEMENT = {
 }
 
 
+def style_name(value: object, key: str, where: str) -> str | None:
+    """A plan entry's style name: a string as it is, or torch's (and
+    torchtitan's) `ParallelStyle` objects: `ColwiseParallel()` is "colwise"
+    ("colwise_rep" with `output_layouts=Replicate()`), `RowwiseParallel()`
+    "rowwise" (on an embedding: the vocabulary), `SequenceParallel()`
+    "sequence_parallel", torchtitan's `NoParallel()` "replicate". Their
+    layouts need nothing more: the stage rewrite places every value by the
+    styles around it (a row-parallel layer's `output_layouts=Shard(1)` is
+    what a plan with sequence-parallel norms does). `PrepareModuleInput`,
+    `PrepareModuleOutput` and `PrepareModuleInputOutput` only say where
+    values lie between those modules: None (nothing to do)."""
+    if isinstance(value, str):
+        return value
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    prepare: tuple[type, ...] = (PrepareModuleInput, PrepareModuleOutput)
+    both = getattr(torch.distributed.tensor.parallel, "PrepareModuleInputOutput", None)
+    if both is not None:
+        prepare = (*prepare, both)
+    if isinstance(value, ColwiseParallel):
+        layouts = getattr(value, "output_layouts", None) or ()
+        layout = layouts[0] if isinstance(layouts, tuple) and layouts else layouts
+        return "colwise_rep" if isinstance(layout, Replicate) else "colwise"
+    if isinstance(value, RowwiseParallel):
+        return "rowwise"
+    if isinstance(value, SequenceParallel):
+        return "sequence_parallel"
+    if isinstance(value, prepare):
+        return None
+    if type(value).__name__ == "NoParallel":  # torchtitan's: a module kept whole
+        return "replicate"
+    raise TypeError(
+        f"{where}: {key!r} is {value!r} ({type(value).__name__}); a style is a name "
+        f"({', '.join(STYLES)}) or one of torch's ColwiseParallel(), RowwiseParallel(), "
+        "SequenceParallel(), PrepareModuleInput(...), PrepareModuleOutput(...)"
+    )
+
+
 @functools.cache
 def _pattern(key: str) -> re.Pattern[str]:
     """A plan key as a regular expression: `*` stands for one path component."""
@@ -81,24 +128,29 @@ class TensorPlan:
     explicit: bool = True  # the user's (else the model's own)
 
     @staticmethod
-    def of(plan: Mapping[str, str], where: str = "tp_plan") -> TensorPlan:
+    def of(plan: Mapping[str, object], where: str = "tp_plan") -> TensorPlan:
         if not isinstance(plan, Mapping):
             raise TypeError(
                 f"{where} must map module-path patterns to styles, e.g. "
                 f"{{'layers.*.mlp.up_proj': 'colwise'}}, got {type(plan).__name__}"
             )
-        for key, style in plan.items():
-            if not isinstance(key, str) or not isinstance(style, str):
-                raise TypeError(f"{where}: {key!r}: {style!r}: patterns and styles are strings")
+        named: dict[str, str] = {}
+        for key, value in plan.items():
+            if not isinstance(key, str):
+                raise TypeError(f"{where}: {key!r}: {value!r}: patterns are strings")
+            style = style_name(value, key, where)
+            if style is None:
+                continue
+            named[key] = style
             if style not in STYLES:
                 raise ValueError(
                     f"{where}: {key!r} has style {style!r}, which torchmpmd does not run; use "
                     f"one of {', '.join(STYLES)}"
                 )
-        return TensorPlan(tuple(plan.items()), where, where == "tp_plan")
+        return TensorPlan(tuple(named.items()), where, where == "tp_plan")
 
     @staticmethod
-    def for_model(plan: Mapping[str, str] | None, source: torch.nn.Module | None) -> TensorPlan:
+    def for_model(plan: Mapping[str, object] | None, source: torch.nn.Module | None) -> TensorPlan:
         """`plan`, or the model's own (a Hugging Face model's `_tp_plan`, or
         its config's `base_model_tp_plan` under the base model's prefix)."""
         if plan is not None:
@@ -142,6 +194,8 @@ class TensorPlan:
         owner = _submodule(source, module_path)
         if isinstance(owner, torch.nn.Embedding) and style.startswith("colwise"):
             return Shard(1)  # an embedding's output features are its weight's columns
+        if isinstance(owner, torch.nn.Embedding) and style.startswith("rowwise"):
+            return Shard(0)  # torch's RowwiseParallel on an embedding: its vocabulary
         return weight if leaf == "weight" else other
 
 

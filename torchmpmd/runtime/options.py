@@ -67,13 +67,16 @@ class RunnerOptions:
     ColwiseParallel(), ...})`); any stage may be `fully_shard`-ed over
     `stage_mesh["dp"]` (else, with `data_parallel="fsdp"`, the runner does)."""
 
-    tp_plan: Mapping[str, str] | None = None
+    tp_plan: Mapping[str, Any] | None = None
     """With a mesh that has a "tp" dimension: which module's parameters are
     sharded over tp, as module-path patterns (`*`: one path component) to
     styles, in Hugging Face's format (`{"model.layers.*.self_attn.q_proj":
     "colwise", "model.layers.*.self_attn.o_proj": "rowwise", ...}`; styles
     colwise, rowwise, their `_rep` forms, colwise_gather_output,
-    embedding_rowwise, replicate, sequence_parallel). Default: the model's
+    embedding_rowwise, replicate, sequence_parallel), or torch's
+    `ParallelStyle` objects as a torchtitan `parallelize.py` writes them
+    (`ColwiseParallel()`, `RowwiseParallel(output_layouts=Shard(1))`,
+    `SequenceParallel()`, `PrepareModuleInput(...)`). Default: the model's
     own plan (a Hugging Face model's `_tp_plan`)."""
 
     ep_plan: Mapping[str, Any] | None = None

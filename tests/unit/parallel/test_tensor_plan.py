@@ -70,12 +70,63 @@ def test_a_colwise_embedding_shards_its_features():
             r"one of colwise, colwise_rep",
         ),
         ([("layers.*.up", "colwise")], TypeError, r"tp_plan must map module-path patterns"),
-        ({"layers.*.up": 1}, TypeError, r"patterns and styles are strings"),
+        ({"layers.*.up": 1}, TypeError, r"'layers.\*.up' is 1 \(int\); a style is a name"),
     ],
 )
 def test_bad_plans_are_named(plan, error, message):
     with pytest.raises(error, match=message):
         TensorPlan.for_model(plan, None)
+
+
+def test_torchs_parallel_styles_are_plans_too():
+    # A torchtitan parallelize.py's plan, as it writes it, for a Llama-like
+    # model: the same placements as the names.
+    from torch.distributed.tensor import Replicate as R
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    model = nn.ModuleDict(
+        {
+            "tok": nn.Embedding(16, 8),
+            "norm": nn.LayerNorm(8),
+            "wq": nn.Linear(8, 8),
+            "wo": nn.Linear(8, 8),
+            "attention": nn.Identity(),
+            "output": nn.Linear(8, 16),
+        }
+    )
+    objects = TensorPlan.for_model(
+        {
+            "tok": RowwiseParallel(input_layouts=R(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(R(),)
+            ),
+            "wq": ColwiseParallel(),
+            "wo": RowwiseParallel(output_layouts=Shard(1)),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=R()),
+        },
+        model,
+    )
+    names = TensorPlan.for_model(
+        {
+            "tok": "embedding_rowwise",
+            "norm": "sequence_parallel",
+            "wq": "colwise",
+            "wo": "rowwise",
+            "output": "colwise_rep",
+        },
+        model,
+    )
+    assert objects.sequence_parallel and names.sequence_parallel
+    for name, _ in model.named_parameters():
+        assert objects.placement(name, model) == names.placement(name, model), name
+    assert objects.style_of("attention") is None  # only a layout hint
+    assert objects.style_of("output") == "colwise_rep"
 
 
 def test_a_model_without_a_plan_says_how_to_give_one():
