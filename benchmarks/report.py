@@ -182,6 +182,27 @@ def planner_tables(data: dict[str, Any]) -> list[str]:
     return out
 
 
+def expert_table(data: dict[str, Any]) -> list[str]:
+    out = [
+        f"### Expert parallelism against replicated experts ({data['model']}, 4 ranks)",
+        "",
+        "| layout | step (ms) | parameters per rank (MiB) |",
+        "| --- | ---: | ---: |",
+    ]
+    for name, step in data["step_s"].items():
+        mib = max(data["param_mib_per_rank"][name])
+        out.append(f"| {name} | {step * 1e3:.1f} | {mib:.2f} |")
+    out += [
+        "",
+        f"ep / replicated: step {data['ep_over_replicated']:.3f}, memory "
+        f"{data['ep_memory_over_replicated']:.3f}; dispatch + combine "
+        f"{data['dispatch_combine_share_of_ep_step']:.1%} of the ep step; measured / simulated "
+        f"ep step {data['ep_measured_over_simulated']:.3f} "
+        f"{_mark(abs(data['ep_measured_over_simulated'] - 1) <= 0.1)}",
+    ]
+    return out
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else "out/benchmarks")
     schedules = _load(out_dir / "schedules.json")
@@ -189,6 +210,7 @@ def main() -> None:
     pipelining_gpt = _load(out_dir / "pipelining_gpt.json")
     balance = _load(out_dir / "balance.json")
     planner = _load(out_dir / "planner.json")
+    expert = _load(out_dir / "expert_parallel.json")
     split = out_dir / "split_backward.txt"
     lines = [
         f"Machine: {platform.processor() or platform.machine()}, "
@@ -204,6 +226,8 @@ def main() -> None:
         lines += [*balance_table(balance), ""]
     if planner:
         lines += [*planner_tables(planner), ""]
+    if expert:
+        lines += [*expert_table(expert), ""]
     if split.exists():
         lines += ["### I + W against B (one split stage, isolated)", "", "```"]
         lines += [*split.read_text().strip().splitlines(), "```", ""]
@@ -217,6 +241,7 @@ def main() -> None:
                 "pipelining_gpt": pipelining_gpt,
                 "balance": balance,
                 "planner": planner,
+                "expert_parallel": expert,
             },
             indent=1,
         )

@@ -23,6 +23,8 @@ echo "== mpmd.plan against every built-in schedule, four models (2 ranks)"
 # 25 rounds: at 7-9, two runners of one configuration came out 2-10% apart;
 # at 25, most pairs within 1% (one U-Net pair still 9%).
 python benchmarks/planner.py --rounds 25 --json "$OUT/planner.json" 2>&1 | quiet
+echo "== expert parallelism against replicated experts (4 ranks)"
+python benchmarks/expert_parallel.py --rounds 9 --json "$OUT/expert_parallel.json" 2>&1 | quiet
 echo "== I + W against B, one stage"
 python benchmarks/split_backward.py 2>&1 | quiet | tee "$OUT/split_backward.txt"
 python benchmarks/report.py "$OUT"
