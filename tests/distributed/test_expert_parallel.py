@@ -12,6 +12,7 @@ the routed tokens; each rank holds half the experts."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -580,3 +581,92 @@ def test_what_expert_parallelism_does_not_run_is_refused_with_what_to_do():
     assert "['layers.*.mlp.experts'] name no experts module" in errors["names nothing"], errors
     assert "'layers.1.moe.experts'" in errors["names nothing"], errors  # the ones there are
     assert "holds 3 experts" in errors["uneven"] and "2 ep ranks" in errors["uneven"], errors
+
+
+def hf_round_trip(rank: int, world: int, src: str, out: str) -> dict:
+    """Hugging Face's Qwen3-MoE checkpoint (per-expert keys, as the Hub's)
+    loaded into a meta-device model on (pp 2, ep 2), one step, AdamW, and
+    saved back with save_hf."""
+    import torch.distributed as dist
+    from harness import to_bytes
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoConfig, Qwen3MoeForCausalLM
+
+    config = AutoConfig.from_pretrained(src)
+    config._attn_implementation = "eager"
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(config)
+    ids = torch.randint(0, VOCAB, (MICROBATCH, SEQ)).to("meta")
+    pipe = mpmd.trace(model, (ids,), split_before=["model.layers.2"])
+    mesh = init_device_mesh("cpu", (PP, EP), mesh_dim_names=("pp", "ep"))
+    runner = mpmd.PipelineRunner(
+        pipe,
+        mpmd.schedules.ZeroBubbleH1(M),
+        mesh=mesh,
+        loss_fn=_hf_loss,
+        options=mpmd.RunnerOptions(timeout=60),
+    )
+    loaded = mpmd.checkpoint.load_hf(src, runner)
+    x, y = _global_batch(0)
+    part = dist.get_rank(runner.dp_group)
+    size = MICROBATCH * M
+    out_step = runner.step(
+        x[part * size : (part + 1) * size], target=y[part * size : (part + 1) * size]
+    )
+    opt = torch.optim.AdamW(runner.parameters(), lr=1e-2)
+    opt.step()
+    after = {n: whole_tensor(p.detach()) for n, p in runner.named_parameters()}
+    mpmd.checkpoint.save_hf(out, runner)
+    local = sum(
+        (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
+        for m in runner.local_modules()
+        for p in m.state_dict(keep_vars=True).values()
+    )
+    return {
+        "loss": float(out_step.loss),
+        "after": to_bytes(after),
+        "bytes_read": loaded.bytes_read,
+        "local_bytes": local,
+        "missing": loaded.missing_keys,
+        "experts": {n: list(p.to_local().shape) for n, p in _expert_tensors(runner).items()},
+    }
+
+
+@pytest.mark.slow
+def test_hugging_face_checkpoints_read_and_write_only_a_ranks_own_experts(tmp_path):
+    from harness import from_bytes
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    model = _qwen3_moe(torch.float32)
+    src, out = tmp_path / "src", tmp_path / "out"
+    model.save_pretrained(src)
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        saved_keys = set(f.keys())
+    assert "model.layers.0.mlp.experts.3.gate_proj.weight" in saved_keys  # per expert
+    results = check_all(run_ranks(hf_round_trip, PP * EP, str(src), str(out)))
+    # The unpipelined model from the same checkpoint, one step on the batch.
+    ref = AutoModelForCausalLM.from_pretrained(src, attn_implementation="eager")
+    x, y = _global_batch(0)
+    losses = [
+        _hf_loss(ref(xb), yb) for xb, yb in zip(x.chunk(M * EP), y.chunk(M * EP), strict=True)
+    ]
+    expected = float(torch.stack(losses).mean())
+    after: dict[str, torch.Tensor] = {}
+    for r in results:
+        assert r["missing"] == [], r["missing"]
+        assert abs(r["loss"] - expected) <= 1e-5, (r["loss"], expected)
+        # Each rank read its own stages' tensors, half of their experts.
+        assert r["bytes_read"] <= 1.1 * r["local_bytes"], r
+        assert all(shape[0] == 2 for shape in r["experts"].values()), r["experts"]
+        after.update(from_bytes(r["after"]))
+    # Written as the Hub's layout (per expert), each expert by a rank holding it.
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    weight_map = index["weight_map"]
+    assert set(weight_map) == saved_keys, set(weight_map) ^ saved_keys
+    layer0 = "model.layers.0.mlp.experts.{}.gate_proj.weight"
+    assert weight_map[layer0.format(0)] == weight_map[layer0.format(1)]
+    assert weight_map[layer0.format(0)] != weight_map[layer0.format(2)]
+    back = AutoModelForCausalLM.from_pretrained(out)
+    for name, value in after.items():
+        assert torch.equal(back.get_parameter(name).detach(), value), name

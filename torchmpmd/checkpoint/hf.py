@@ -14,13 +14,19 @@ Non-persistent buffers (RoPE tables) are in no checkpoint: as
 `from_pretrained` does, the model's own `_init_weights` computes them on the
 modules that hold them; keys `from_pretrained` ignores (older checkpoints'
 `rotary_emb.inv_freq`, hf_checks.ignored_on_load) are left out and reported.
-A damaged file or index fails naming it (`CheckpointError`).
+A mixture of experts' stacked experts (transformers 5's `experts.gate_up_proj`)
+are read from the checkpoint's per-expert keys (`experts.3.gate_proj.weight`),
+only those of the experts this rank holds (`hf_experts`). A damaged file or
+index fails naming it (`CheckpointError`; `hf_files`).
 
 `save_hf(path, runner)` writes a directory `from_pretrained` loads: every
 tensor once under the model's first name for it (a tied weight under its
 first name only, as `save_pretrained` does), written by the lowest rank of
 the first stage holding it; FSDP and tensor-parallel shards are gathered
-whole first (a collective over their mesh). One safetensors file per
+whole first (a collective over their mesh). Stacked experts go out as
+transformers' per-expert keys, as `save_pretrained` writes them, each
+expert by a rank holding it, from its own shard (expert parallelism: no
+gather). One safetensors file per
 writing rank, the index, and `config.json` (and `generation_config.json`)
 from the model's config (or `config=`, checked to describe this model; a
 model without one gets a warning). The directory is written beside `path`
@@ -40,7 +46,6 @@ import os
 import re
 import shutil
 import uuid
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,7 +55,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from .agree import check_in
 from .checks import check_runner
-from .errors import CheckpointError, describe, own_rank, raise_agreed
+from .errors import describe, own_rank, raise_agreed
 from .hf_checks import (
     candidates,
     check_config_names,
@@ -59,15 +64,14 @@ from .hf_checks import (
     ignored_on_load,
     non_persistent,
 )
+from .hf_experts import converters, expert_pieces, keys_written, write_experts
+from .hf_files import INDEX_FILE, SINGLE_FILE, _Files, _safetensors
 from .world import joined
 
 if TYPE_CHECKING:
     from ..runtime.runner import PipelineRunner
 
 __all__ = ["HFLoadResult", "load_hf", "save_hf"]
-
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,155 +97,9 @@ class _Local:
     names: list[str]
     tensor: torch.Tensor
     key: str | None = None  # the checkpoint's name for it
-
-
-@dataclass(slots=True)
-class _Files:
-    """A Hugging Face checkpoint directory, read lazily (safetensors)."""
-
-    directory: Path
-    where: dict[str, Path] = field(default_factory=dict)  # key -> its file
-    bytes_read: int = 0
-    _stack: ExitStack = field(default_factory=ExitStack)
-    _open: dict[Path, Any] = field(default_factory=dict)
-    _keys: dict[Path, set[str]] = field(default_factory=dict)  # each open file's tensors
-
-    @classmethod
-    def open(cls, path: str | os.PathLike[str]) -> _Files:
-        """The checkpoint in the directory `path`, or in the directory of the
-        file `path` names (its `model.safetensors`, index, or a lone
-        safetensors file)."""
-        given = Path(path)
-        directory, only = given, None
-        if given.is_file():
-            directory, only = given.parent, given.name
-            if only.endswith(".safetensors") and only != SINGLE_FILE:
-                if (directory / INDEX_FILE).is_file():
-                    raise ValueError(
-                        f"load_hf: {given} is one shard of the checkpoint in {directory} (its "
-                        f"{INDEX_FILE} lists the others): pass the directory {directory}"
-                    )
-            elif only not in (SINGLE_FILE, INDEX_FILE):
-                raise NotADirectoryError(
-                    f"load_hf: {given} is a file, not a checkpoint: pass the directory "
-                    f"save_pretrained wrote (with {SINGLE_FILE} or {INDEX_FILE})"
-                )
-        files = cls(directory)
-        if only == INDEX_FILE or (only is None and (directory / INDEX_FILE).is_file()):
-            files._read_index(directory / INDEX_FILE)
-        elif only is not None or (directory / SINGLE_FILE).is_file():
-            single = directory / (only or SINGLE_FILE)
-            files.where = dict.fromkeys(files._header(single, None).keys(), single)
-        else:
-            found = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else None
-            what = "does not exist" if found is None else f"holds {found[:8]}"
-            raise FileNotFoundError(
-                f"load_hf: {directory} {what}, with neither {SINGLE_FILE} nor {INDEX_FILE}: pass "
-                "a directory written by save_pretrained (safetensors; a pytorch_model.bin "
-                "checkpoint loads with from_pretrained and saves again as safetensors)"
-            )
-        return files
-
-    def _read_index(self, index_file: Path) -> None:
-        try:
-            index = json.loads(index_file.read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise CheckpointError(
-                f"load_hf: the index {index_file} is not valid JSON ({err}): it is damaged or "
-                "truncated; restore it (or save the checkpoint again)"
-            ) from None
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(
-                f"load_hf: the index {index_file} has no weight_map (a JSON object of tensor "
-                "names to file names): restore it (or save the checkpoint again)"
-            )
-        for key, name in weight_map.items():
-            if not isinstance(name, str) or Path(name).name != name:
-                raise ValueError(
-                    f"load_hf: {index_file} maps {key!r} to {name!r}, which is "
-                    "not a file name in the checkpoint's directory"
-                )
-            self.where[key] = self.directory / name
-
-    def _header(self, path: Path, key: str | None) -> Any:
-        """The open safetensors file `path` (which holds `key`), or raises
-        naming the file where it is missing or damaged."""
-        if path in self._open:
-            return self._open[path]
-        holds = f" (which holds {key!r})" if key is not None else ""
-        if not path.is_file():
-            raise FileNotFoundError(f"load_hf: {path}{holds} is missing")
-        safe_open = _safetensors("load_hf").safe_open
-        try:
-            f = self._stack.enter_context(safe_open(str(path), framework="pt"))
-        except Exception as err:
-            raise CheckpointError(
-                f"load_hf: {path}{holds} is not a readable safetensors file ({err}): it is "
-                "truncated or damaged (an interrupted download or copy?); restore it (or save "
-                "the checkpoint again)"
-            ) from None
-        self._open[path] = f
-        return f
-
-    def _file(self, key: str) -> Any:
-        path = self.where[key]
-        f = self._header(path, key)
-        if path not in self._keys:
-            self._keys[path] = set(f.keys())
-        if key not in self._keys[path]:
-            elsewhere = [
-                other.name
-                for other in sorted(set(self.where.values()) - {path})
-                if other.is_file() and key in self._keys_of(other)
-            ]
-            found = f": it is in {elsewhere[0]}" if elsewhere else ""
-            raise CheckpointError(
-                f"load_hf: {self.directory / INDEX_FILE} says {path.name} holds {key!r}, but "
-                f"{path} does not{found}. The index does not match the files: restore them (or "
-                "save the checkpoint again)"
-            )
-        return f
-
-    def _keys_of(self, path: Path) -> set[str]:
-        if path not in self._keys:
-            try:
-                self._keys[path] = set(self._header(path, None).keys())
-            except CheckpointError:  # damaged too: named when its own keys are read
-                return set()
-        return self._keys[path]
-
-    def shape(self, key: str) -> list[int]:
-        return list(self._file(key).get_slice(key).get_shape())
-
-    def read(self, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
-        """The tensor `key`, or its part `index` (only that part is read)."""
-        f = self._file(key)
-        try:
-            value: torch.Tensor = f.get_tensor(key) if index is None else f.get_slice(key)[index]
-        except Exception as err:
-            raise CheckpointError(
-                f"load_hf: cannot read {key!r} from {self.where[key]} ({err}): the file is "
-                "damaged; restore it (or save the checkpoint again)"
-            ) from None
-        self.bytes_read += value.numel() * value.element_size()
-        return value
-
-    def close(self) -> None:
-        self._stack.close()
-        self._open.clear()
-        self._keys.clear()
-
-
-def _safetensors(call: str) -> Any:
-    try:
-        import safetensors.torch
-    except ImportError as err:
-        raise ImportError(
-            f"checkpoint.{call} reads and writes safetensors files: pip install safetensors "
-            "(or torchmpmd[hf]; transformers installs it too)"
-        ) from err
-    return safetensors
+    # Stacked experts: (converter, key prefix, the experts this rank writes,
+    # whether to gather first): hf_experts.expert_pieces.
+    pieces: Any = None
 
 
 def _local_tensors(runner: PipelineRunner) -> list[_Local]:
@@ -293,7 +151,7 @@ def _match(files: _Files, local: list[_Local], prefix: str, ignore_missing: list
     missing = []
     for entry in local:
         entry.key = next(
-            (k for n in entry.names for k in candidates(n, prefix) if k in files.where), None
+            (k for n in entry.names for k in candidates(n, prefix) if files.has(k)), None
         )
         if entry.key is None and not any(p.search(n) for p in ignore_missing for n in entry.names):
             missing.append(entry.names[0])
@@ -309,7 +167,8 @@ def _unexpected(files: _Files, runner: PipelineRunner, prefix: str) -> tuple[lis
     buffers = non_persistent(source)
     ignore = ignored_on_load(source, known | buffers)
     unexpected, ignored = [], []
-    for k in sorted(files.where):
+    consumed = files.consumed()
+    for k in sorted([*(set(files.where) - consumed), *files.stacked]):
         names = candidates(k, prefix)
         if any(n in buffers for n in names) or (
             not any(n in known for n in names) and any(p.search(k) for p in ignore)
@@ -327,7 +186,7 @@ def _check_shapes(files: _Files, local: list[_Local], rank: int) -> None:
         stored = files.shape(entry.key)
         if stored != list(entry.tensor.shape):
             raise ValueError(
-                f"load_hf: {entry.key!r} has shape {stored} in {files.where[entry.key]}, but "
+                f"load_hf: {entry.key!r} has shape {stored} in {files.location(entry.key)}, but "
                 f"stage {entry.stage} on rank {rank} holds '{entry.names[0]}' with shape "
                 f"{list(entry.tensor.shape)}: the checkpoint was written for a model of other "
                 "sizes (check the config)"
@@ -388,6 +247,7 @@ def _load_hf(
     ignored: list[str] = []
     try:
         files = _Files.open(path)
+        files.stack(converters(source))
         local = _local_tensors(runner)
         missing = _match(files, local, prefix, _ignore_missing(source))
         unexpected, ignored = _unexpected(files, runner, prefix)
@@ -480,10 +340,15 @@ def _save_hf(
             check_target(path, target)
             cfg, check_names = config_to_write(config, source, path)
         local = _local_tensors(runner)
+        found = converters(source)
         for entry in local:
             name = entry.names[0]  # the model's first name for it
-            first_stage[name] = min(first_stage.get(name, entry.stage), entry.stage)
             shapes[name] = list(entry.tensor.shape)
+            entry.pieces = expert_pieces(name, entry.tensor, found)
+            # Stacked experts go out as transformers' per-expert keys, each
+            # written by a rank holding that expert.
+            for key in keys_written(name, entry.pieces):
+                first_stage[key] = min(first_stage.get(key, entry.stage), entry.stage)
     except Exception as err:
         problem = err
     entries = check_in(
@@ -527,6 +392,9 @@ def _save_hf(
         # collectives), writers keep what they write.
         for entry in local:
             name = entry.names[0]  # the model's first name for it
+            if entry.pieces is not None:
+                write_experts(entry.pieces, entry.tensor, writer, me, mine, _whole)
+                continue
             writes = writer.get(name) == me and name not in mine
             if writes or isinstance(entry.tensor, DTensor):
                 value = _whole(entry.tensor)
