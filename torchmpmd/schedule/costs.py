@@ -15,7 +15,7 @@ from typing import Any
 from .. import _C
 from .kinds import TABLE, WHOLE_BACKWARD
 from .task import Task, task_from_native
-from .timeline import COLLECTIVES, Timeline, TimelineEvent
+from .timeline import COLLECTIVES, EXCHANGES, Timeline, TimelineEvent
 
 __all__ = ["Costs", "fused_key"]
 
@@ -93,6 +93,14 @@ class Costs:
     `overlap_comm`), and `unsharded_bytes` what an unsharded stage holds from
     its gather to its reduction (counted in the timeline's `peak_bytes`, not
     in its activation peak). Unset: free.
+
+    Expert parallelism: `exchange` is the time a stage's all-to-alls
+    (dispatch and combine) take per microbatch inside its forward, and
+    `exchange_backward` inside its backward (B, or I; default: the same).
+    The task times above exclude them; the simulator charges them inside
+    the tasks (the task waits for them) and shows them in the simulated
+    timeline ("dispatch", "combine"). From a measured step, `from_timeline`
+    separates them; from bytes, `exchange_time`.
     """
 
     forward: PerStage = 1.0
@@ -106,10 +114,27 @@ class Costs:
     unshard: PerStage | None = None
     reduce_grads: PerStage | None = None
     unsharded_bytes: int | Sequence[int] | None = None
+    exchange: PerStage | None = None
+    exchange_backward: PerStage | None = None
     latency: float = 0.0
     bandwidth: float = 0.0
     unit: str = "units"
     overlap_comm: bool = True
+
+    @staticmethod
+    def exchange_time(sent_bytes: float, calls: int, latency: float, bandwidth: float) -> float:
+        """The time of `calls` all-to-alls sending `sent_bytes` in all over a
+        link of `latency` per message and `bandwidth` bytes per time unit
+        (the routed tokens' bytes: `StepOutput.metrics["all_to_all_sent_bytes"]`)."""
+        return calls * latency + (sent_bytes / bandwidth if bandwidth > 0 else 0.0)
+
+    def exchanges(self, n: int) -> tuple[list[float], list[float]] | None:
+        """Per stage, the forward and the backward exchange times (None: none)."""
+        forward = _per_stage(self.exchange, n, "exchange")
+        if forward is None:
+            return None
+        backward = _per_stage(self.exchange_backward, n, "exchange_backward") or forward
+        return forward, backward
 
     def _given(self, n: int) -> dict[str, list[float] | None]:
         """Per kind of its own, the per-stage times given (None: derive)."""
@@ -147,6 +172,15 @@ class Costs:
         wbytes = list(self.weight_grad_bytes or [a // 2 for a in acts])
         if len(acts) != n or len(wbytes) != n:
             raise ValueError(f"Costs: activation byte counts must give one value per stage ({n})")
+        exchanges = self.exchanges(n)
+        if exchanges is not None:
+            # Inside the tasks that run them: F its forward's, B and I
+            # (whose backward goes through the all-to-alls) the backward's.
+            for s, stage in enumerate(per_stage):
+                stage["F"] += exchanges[0][s]
+                for letter in _OWN:
+                    if TABLE[letter].emits_input_grads or letter == _WHOLE:
+                        stage[letter] += exchanges[1][s]
         c = _C.schedule.Costs()
         c.time = [
             [stage[letter] for stage in per_stage] if letter in _OWN else [] for letter in TABLE
@@ -176,6 +210,9 @@ class Costs:
         rank: a reduction launched beside the compute counts its launch).
         Fused tasks give `fused`, the mean time of each shape of them (their
         parts' stages and kinds), not the times of their parts' kinds.
+        Expert parallelism's exchanges inside the tasks ("dispatch",
+        "combine" events) give `exchange` and `exchange_backward`, and are
+        left out of the tasks' own times.
         """
         sums: dict[tuple[int, str], list[float]] = defaultdict(list)
         kept: dict[tuple[int, str], list[int]] = defaultdict(list)
@@ -183,11 +220,12 @@ class Costs:
         for e in timeline.events:
             if e.kind in COLLECTIVES:
                 sums[(e.stage, e.kind)].append(e.duration)
+        exchanged = _exchanges_inside(timeline)
         for e in timeline.tasks:
             if e.sub_tasks:
                 fused[fused_key(e.sub_tasks)].append(e.duration)
                 continue
-            sums[(e.stage, e.kind)].append(e.duration)
+            sums[(e.stage, e.kind)].append(e.duration - exchanged.get(id(e), 0.0))
             info = TABLE[e.kind]
             if e.kept_bytes >= 0 and info.backward:
                 whole = info.backward_parts == WHOLE_BACKWARD
@@ -218,6 +256,8 @@ class Costs:
                 link[kind] = [mean.get((s, kind), 0.0) for s in range(num_stages)]
         if fused and "fused" not in link:
             link["fused"] = {k: sum(v) / len(v) for k, v in fused.items()}
+        if exchanged and "exchange" not in link:
+            link.update(_exchange_means(timeline, exchanged, num_stages))
         return Costs(
             forward=rows.pop("F"),
             backward=rows.pop("B"),
@@ -227,6 +267,51 @@ class Costs:
             unit=timeline.unit,
             **link,
         )
+
+
+def _exchanges_inside(timeline: Timeline) -> dict[int, float]:
+    """Per task event (by id), the time of the exchanges ("dispatch",
+    "combine") of its stage and microbatch that ran inside it on its rank."""
+    tasks = [t for t in timeline.tasks if not t.sub_tasks]
+    out: dict[int, float] = {}
+    for e in timeline.events:
+        if e.kind not in EXCHANGES:
+            continue
+        for t in tasks:
+            if (
+                t.rank == e.rank
+                and (t.stage, t.microbatch) == (e.stage, e.microbatch)
+                and t.start <= e.start
+                and e.end <= t.end
+            ):
+                out[id(t)] = out.get(id(t), 0.0) + e.duration
+                break
+    return out
+
+
+def _exchange_means(timeline: Timeline, inside: dict[int, float], n: int) -> dict[str, list[float]]:
+    """`exchange` and `exchange_backward` per stage: the mean time the
+    forwards (F) and the backwards (B, I) spent in exchanges."""
+    forward: dict[int, list[float]] = defaultdict(list)
+    backward: dict[int, list[float]] = defaultdict(list)
+    for t in timeline.tasks:
+        if t.sub_tasks:
+            continue
+        info = TABLE[t.kind]
+        spent = inside.get(id(t), 0.0)
+        if not info.backward:
+            if t.kind == "F":
+                forward[t.stage].append(spent)
+        elif info.emits_input_grads or info.backward_parts == WHOLE_BACKWARD:
+            backward[t.stage].append(spent)
+
+    def mean(values: list[float]) -> float:
+        return sum(values) / len(values) if values else 0.0
+
+    return {
+        "exchange": [mean(forward[s]) for s in range(n)],
+        "exchange_backward": [mean(backward[s]) for s in range(n)],
+    }
 
 
 def fused_key(parts: Sequence[Task]) -> str:

@@ -10,8 +10,9 @@ from ..graph.format import human_bytes, table
 from ..graph.pipe import Pipe
 from . import kinds
 from .costs import Costs, timeline_from_native
+from .kinds import TABLE
 from .task import Schedule, Task, check_placement, require_schedule, task_from_native
-from .timeline import Timeline
+from .timeline import Timeline, TimelineEvent
 
 __all__ = [
     "Edge",
@@ -42,6 +43,30 @@ class StageCollectives:
 
 
 Collectives = StageCollectives | Sequence[StageCollectives] | None
+
+
+def _simulated_exchanges(
+    timeline: Timeline, forward: list[float], backward: list[float]
+) -> list[TimelineEvent]:
+    """Expert parallelism's all-to-alls inside the simulated tasks that
+    charge them (`Costs.exchange`): in a forward the dispatch ends at the
+    task's middle and the combine ends it; in a backward (B, I) the other
+    way round, as autograd runs them."""
+    out = []
+    for t in timeline.tasks:
+        if t.sub_tasks:
+            continue
+        info = TABLE[t.kind]
+        spent = forward[t.stage] if not info.backward else backward[t.stage]
+        if spent <= 0 or (info.backward and not info.emits_input_grads):
+            continue
+        mid, half = (t.start + t.end) / 2, spent / 2
+        first, second = ("dispatch", "combine") if not info.backward else ("combine", "dispatch")
+        for kind, end in ((first, mid), (second, t.end)):
+            out.append(
+                TimelineEvent(t.rank, kind, t.stage, t.microbatch, end - half, end, "simulated")
+            )
+    return out
 
 
 def _collectives(collectives: Collectives, num_stages: int) -> list[_C.schedule.StageCollectives]:
@@ -199,6 +224,9 @@ class Program:
         costs = costs if costs is not None else Costs()
         timeline = timeline_from_native(self._simulated(costs), costs.unit)
         timeline.sent_bytes, timeline.received_bytes = self.message_bytes()
+        exchanges = costs.exchanges(self.num_stages)
+        if exchanges is not None:
+            timeline.events.extend(_simulated_exchanges(timeline, *exchanges))
         return timeline
 
     def message_bytes(self) -> tuple[list[int], list[int]]:

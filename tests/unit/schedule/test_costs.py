@@ -83,3 +83,55 @@ def test_costs_from_a_timeline_derive_what_was_not_measured():
     assert costs.backward == [3, 3]  # stage 1: I + W
     assert costs.input_grad == [1.5, 1] and costs.weight_grad == [1.5, 2]
     assert costs.times is None
+
+
+def _with_exchanges() -> mpmd.Timeline:
+    """A measured 2-stage step whose stage 0 runs expert-parallel all-to-alls:
+    each F of it 3 s with 1 s of dispatch + combine inside, each B 6 s with
+    1.5 s inside; stage 1 none."""
+    E = mpmd.TimelineEvent
+    events = []
+    for mb in range(2):
+        t = 3.0 * mb
+        events += [
+            E(0, "F", 0, mb, t, t + 3),
+            E(0, "dispatch", 0, mb, t + 1, t + 1.5),
+            E(0, "combine", 0, mb, t + 2.5, t + 3),
+            E(1, "F", 1, mb, 10 + 2 * mb, 11 + 2 * mb),
+            E(1, "B", 1, mb, 11 + 2 * mb, 12 + 2 * mb),
+        ]
+        t = 20 + 6.0 * mb
+        events += [
+            E(0, "B", 0, mb, t, t + 6),
+            E(0, "combine", 0, mb, t + 0.5, t + 1),
+            E(0, "dispatch", 0, mb, t + 5, t + 6),
+        ]
+    return mpmd.Timeline(2, events, "measured", "s")
+
+
+def test_expert_parallel_exchanges_are_costs_of_their_own():
+    # from_timeline keeps the all-to-alls out of the tasks' own times and
+    # charges them as `exchange`; the simulator puts them back inside the
+    # tasks (the same step as tasks timed with them) and shows them.
+    costs = mpmd.Costs.from_timeline(_with_exchanges(), 2)
+    assert costs.forward == [2.0, 1.0] and costs.backward == [4.5, 1.0]
+    assert costs.exchange == [1.0, 0.0] and costs.exchange_backward == [1.5, 0.0]
+    program = mpmd.compile_schedule(mpmd.schedules.OneFOneB(2), 2, 2)
+    timeline = program.simulate(costs)
+    whole = mpmd.Costs(forward=[3.0, 1.0], backward=[6.0, 1.0])
+    assert timeline.step_time == pytest.approx(program.simulate(whole).step_time)
+    shown = [e for e in timeline.events if e.kind in ("dispatch", "combine")]
+    assert len(shown) == 2 * 2 * 2  # stage 0: 2 microbatches x (F, B) x 2
+    for e in shown:
+        task = next(
+            t
+            for t in timeline.tasks
+            if (t.stage, t.microbatch) == (e.stage, e.microbatch)
+            and t.start <= e.start
+            and e.end <= t.end
+        )
+        assert task.kind in ("F", "B"), (e, task)
+    # From the routed tokens' bytes over a link model instead.
+    assert mpmd.Costs.exchange_time(2e6, 4, latency=1e-4, bandwidth=1e9) == pytest.approx(
+        4e-4 + 2e-3
+    )
