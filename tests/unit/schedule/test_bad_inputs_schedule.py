@@ -250,7 +250,7 @@ CASES: list[Case] = [
         lambda: _event(kind="X"),
         ValueError,
         r"TimelineEvent\(rank=0, kind='X'.*kind must be a task kind \(F, B, I, W, R\) or "
-        r"one of 'transfer', 'wait', 'unshard', 'reduce_grads', got 'X'",
+        r"one of 'transfer', 'wait', 'unshard', 'reduce_grads', 'dispatch', 'combine', got 'X'",
     ),
     (
         "timeline event of a lower-case kind",
