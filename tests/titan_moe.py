@@ -235,3 +235,47 @@ class Transformer(nn.Module):
 def moe_loss(out: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
     logits, aux = out
     return F.cross_entropy(logits.flatten(0, 1), target.flatten()) + aux
+
+
+class FirstHalf(nn.Module):
+    """A stage cut by hand: the embedding and the first half of the layers
+    (a model's own modules, sharing its parameters)."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__()
+        half = len(model.layers) // 2
+        self.tok_embeddings = model.tok_embeddings
+        self.layers = nn.ModuleDict({k: v for k, v in model.layers.items() if int(k) < half})
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.tok_embeddings(tokens)
+        aux = h.new_zeros(())
+        for layer in self.layers.values():
+            h, aux = layer(h, aux)
+        return h, aux
+
+
+class SecondHalf(nn.Module):
+    """The other layers, the norm and the output."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__()
+        half = len(model.layers) // 2
+        self.layers = nn.ModuleDict({k: v for k, v in model.layers.items() if int(k) >= half})
+        self.norm = model.norm
+        self.output = model.output
+
+    def forward(self, h: torch.Tensor, aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        for layer in self.layers.values():
+            h, aux = layer(h, aux)
+        return self.output(self.norm(h)), aux
+
+
+def experts_over_ep(stage: nn.Module, stage_mesh) -> None:
+    """A user's own parallelize for stages cut by hand: every GroupedExperts
+    sharded over ep, its tokens dispatched there."""
+    from torchmpmd.parallel import shard_experts
+
+    for name, module in stage.named_modules():
+        if isinstance(module, GroupedExperts):
+            shard_experts(module, stage_mesh, "grouped_experts", path=name)

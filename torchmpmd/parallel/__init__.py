@@ -18,7 +18,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from .expert import ExpertParallel
+from .expert import ExpertParallel, shard_experts
 from .fsdp import FSDP
 from .layout import Layout
 from .protocol import Asked, Kind, Parallelism, RankStages, kinds, register
@@ -37,6 +37,7 @@ __all__ = [
     "TensorParallel",
     "kinds",
     "register",
+    "shard_experts",
 ]
 
 # Former names, which were torch's DTensor placement names too.

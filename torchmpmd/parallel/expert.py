@@ -57,7 +57,7 @@ from .protocol import (
 )
 from .replicate import Replicas, broadcast_from_first
 
-__all__ = ["STYLES", "ExpertParallel", "Traffic"]
+__all__ = ["STYLES", "ExpertParallel", "Traffic", "shard_experts"]
 
 
 def _style_of(value: Any) -> str:
@@ -96,6 +96,9 @@ class ExpertParallel(Parallelism):
         self.size = int(self.ep_mesh.size())
         self.plan = dict(plan) if plan is not None else None
         self.traffic = Traffic()
+        self._parallelize = parallelize
+        self._parallelized: set[int] = set()  # the stages it was called on
+        self._stage_mesh = root[dims] if len(dims) > 1 else self.ep_mesh
         data = tuple(d for d in dims if d != "ep")
         if data:
             self._dp_group: dist.ProcessGroup | None = root[data[0]].get_group()
@@ -115,7 +118,7 @@ class ExpertParallel(Parallelism):
         self._dense: Replicas | FSDP = (
             FSDP(
                 flat,
-                parallelize,
+                None,
                 bucket,
                 dims=dims,
                 leave_out=None if self._experts_sharded else self._is_expert,
@@ -173,6 +176,21 @@ class ExpertParallel(Parallelism):
                 if style is None:
                     continue
                 self._shard_module(s, graph.get_submodule(path), path, style)
+        if self._parallelize is not None:
+            # The user's own (stages cut by hand: `shard_experts` on their
+            # experts modules), after the plan's, over the stage's mesh.
+            for _, module in sorted(stages.items()):
+                held = as_stage(module)
+                if id(held.state_root) in self._parallelized:
+                    continue  # shard_meta's call, then shard's: once
+                self._parallelized.add(id(held.state_root))
+                self._parallelize(held.state_root, self._stage_mesh)
+                held.refresh_state()
+        for _, module in sorted(stages.items()):
+            for name, sub in as_stage(module).state_root.named_modules():
+                found = sub.__dict__.get("forward")
+                if isinstance(found, Dispatch) and found.traffic is not self.traffic:
+                    self._adopt(name, found)
         if plan is not None and self.plan is not None:
             unused = [p for p, v in plan.items() if p not in used and _style_of(v) != PARAMETER]
             if unused:
@@ -224,31 +242,15 @@ class ExpertParallel(Parallelism):
     def _shard_module(self, stage: int, module: torch.nn.Module, path: str, style: str) -> None:
         if path in self.sharded:
             return
-        params = {n: p for n, p in module._parameters.items() if p is not None}
-        count = getattr(module, "num_experts", None)
-        if not isinstance(count, int):
-            count = next(iter(params.values())).shape[0] if params else 0
-        if count % self.size or any(p.shape[0] != count for p in params.values()):
-            raise ValueError(
-                f"ep: the experts module {path!r} of stage {stage} holds {count} experts "
-                f"(parameters {[(n, tuple(p.shape)) for n, p in params.items()]}), which "
-                f"{self.size} ep ranks cannot share evenly; choose an ep size that divides "
-                f"{count}"
-            )
-        local = count // self.size
-        for name, p in params.items():
-            if isinstance(p, DTensor):
-                continue
-            # A meta tensor is cut without a message (each rank allocates its
-            # own); a real one is ep rank 0's, scattered.
-            dt = distribute_tensor(
-                p.detach(), self.ep_mesh, [Shard(0)], src_data_rank=None if p.is_meta else 0
-            )
-            module._parameters[name] = torch.nn.Parameter(dt, requires_grad=p.requires_grad)
-        if hasattr(module, "num_experts"):
-            setattr(module, "num_experts", local)  # noqa: B010 (an attribute of the model's own class)
-        module.forward = Dispatch(module, path, style, local, self.ep_group, self.traffic)
-        self.sharded[path] = local
+        dispatch = shard_experts(module, self.ep_mesh, style, path=path, where=f" of stage {stage}")
+        self._adopt(path, dispatch)
+
+    def _adopt(self, path: str, dispatch: Dispatch) -> None:
+        """Counts and shows a dispatching experts module's exchanges (one the
+        plan sharded, or a user's `parallelize` with `shard_experts`)."""
+        dispatch.traffic = self.traffic
+        dispatch.path = path
+        self.sharded[path] = dispatch.local
 
     # ---- weights
 
@@ -361,6 +363,57 @@ class ExpertParallel(Parallelism):
         }
 
 
+def shard_experts(
+    module: torch.nn.Module,
+    ep_mesh: DeviceMesh,
+    style: str,
+    *,
+    path: str = "experts",
+    where: str = "",
+) -> Dispatch:
+    """Shards an experts module (stacked `[experts, ...]` parameters) over
+    `ep_mesh` and makes its calls dispatch their tokens there, as the runner
+    does for a traced stage's: for a stage cut by hand, call it in your
+    `RunnerOptions(parallelize=fn)`, `fn(stage, stage_mesh)`, on each experts
+    module (`shard_experts(stage.layers[1].moe.experts, stage_mesh["ep"],
+    "grouped_experts")`). `style`: how it is called, "ep_dispatch_experts"
+    (tokens, top-k ids, top-k weights) or "grouped_experts" (rows sorted by
+    expert, tokens per expert). Its parameters become DTensors `Shard(0)`
+    (ep rank 0's, scattered; a meta tensor is cut), its `num_experts` the
+    local count. Returns the module's new call."""
+    if style not in (TOPK, GROUPED):
+        raise ValueError(
+            f"shard_experts: style {style!r} for {path!r}; use {TOPK!r} (tokens, top-k ids, "
+            f"top-k weights) or {GROUPED!r} (rows sorted by expert, tokens per expert)"
+        )
+    size = int(ep_mesh.size())
+    params = {n: p for n, p in module._parameters.items() if p is not None}
+    count = getattr(module, "num_experts", None)
+    if not isinstance(count, int):
+        count = next(iter(params.values())).shape[0] if params else 0
+    if not params or count % size or any(p.shape[0] != count for p in params.values()):
+        raise ValueError(
+            f"ep: the experts module {path!r}{where} holds {count} experts (parameters "
+            f"{[(n, tuple(p.shape)) for n, p in params.items()]}), which {size} ep ranks "
+            f"cannot share evenly; choose an ep size that divides {count}"
+        )
+    local = count // size
+    for name, p in params.items():
+        if isinstance(p, DTensor):
+            continue
+        # A meta tensor is cut without a message (each rank allocates its
+        # own); a real one is ep rank 0's, scattered.
+        dt = distribute_tensor(
+            p.detach(), ep_mesh, [Shard(0)], src_data_rank=None if p.is_meta else 0
+        )
+        module._parameters[name] = torch.nn.Parameter(dt, requires_grad=p.requires_grad)
+    if hasattr(module, "num_experts"):
+        setattr(module, "num_experts", local)  # noqa: B010 (an attribute of the model's own class)
+    dispatch = Dispatch(module, path, style, local, ep_mesh.get_group(), Traffic())
+    module.forward = dispatch
+    return dispatch
+
+
 def _infer_style(path: str, node: Any) -> str:
     found = [a.meta.get("val") if hasattr(a, "meta") else None for a in node.args]
     vals = [v for v in found if isinstance(v, torch.Tensor)]
@@ -412,9 +465,7 @@ def _claim(names: tuple[str, ...] | None, left: tuple[str, ...], asked: Asked) -
 
 def _make(mesh: DeviceMesh, dims: tuple[str, ...], pipe: Pipe, asked: Asked) -> ExpertParallel:
     fsdp = asked.data_parallel == "fsdp"
-    return ExpertParallel(
-        mesh, dims, asked.ep_plan, asked.bucket_bytes, fsdp, asked.parallelize if fsdp else None
-    )
+    return ExpertParallel(mesh, dims, asked.ep_plan, asked.bucket_bytes, fsdp, asked.parallelize)
 
 
 register(

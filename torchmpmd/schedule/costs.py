@@ -225,7 +225,12 @@ class Costs:
             if e.sub_tasks:
                 fused[fused_key(e.sub_tasks)].append(e.duration)
                 continue
-            sums[(e.stage, e.kind)].append(e.duration - exchanged.get(id(e), 0.0))
+            # Exchanges come out of the kinds `native` charges them in (F, B,
+            # I); a first stage's whole backward in W keeps its own in W.
+            charged = e.kind == "F" or TABLE[e.kind].emits_input_grads
+            sums[(e.stage, e.kind)].append(
+                e.duration - (exchanged.get(id(e), 0.0) if charged else 0.0)
+            )
             info = TABLE[e.kind]
             if e.kept_bytes >= 0 and info.backward:
                 whole = info.backward_parts == WHOLE_BACKWARD
