@@ -355,8 +355,6 @@ def data_dependent(module: torch.nn.Module | None) -> str | None:
     if not isinstance(module, fx.GraphModule):
         return None
     for n in module.graph.nodes:
-        if n.op == "call_module" and n.meta.get("experts_call"):
-            return f"the experts module '{n.target}' (its routed tokens run as a module call)"
         value = n.meta.get("val")
         if (
             isinstance(n.target, torch._ops.OpOverload)

@@ -2,7 +2,8 @@
 weight-gradient tasks (I/W) is a `Split`, one interface whatever the stage:
 a stage with a graph is traced (with its loss) into F/I/W graphs
 (`GraphSplit`, over `graph.split.SplitStage`); a stage without one (cut by
-hand), or one a parallelism rewrites (its stage runs on DTensors), splits
+hand), one a parallelism rewrites (its stage runs on DTensors), or one
+calling experts modules (routed tokens' shapes change with the data), splits
 through autograd (`AutogradStageSplit`, over `autograd_split.AutogradSplit`).
 
 The graph cut itself is `graph.split`; this module gives it the function to
@@ -20,6 +21,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
+from ..graph.experts import experts_calls
 from ..graph.pipe import Pipe
 from ..graph.split import SplitStage
 from ..graph.stage import as_stage
@@ -211,8 +213,15 @@ def build_split_stage(stages: StageHost, stage: int, step: StepTargets, mb: int)
     module = as_stage(stages.modules[stage]).graph_module
     params = list(stages.modules[stage].parameters())
     # Parameters that are DTensors (a user's own sharding) split through
-    # autograd too: the graphs are traced on plain tensors.
-    if module is None or stages.split_by_autograd or any(isinstance(p, DTensor) for p in params):
+    # autograd too: the graphs are traced on plain tensors; so does a stage
+    # calling experts modules (their routed tokens' shapes change with the
+    # data: graph.experts).
+    if (
+        module is None
+        or stages.split_by_autograd
+        or any(isinstance(p, DTensor) for p in params)
+        or experts_calls(module.graph)
+    ):
         return AutogradStageSplit(params)
     spec = pipe.stage_specs[stage]
     received = [
