@@ -320,11 +320,19 @@ def train_ep(
             row_bytes = case.hidden * dtype.itemsize
             _check_traffic(runner, out, routing, shard_rank, row_bytes, what)
             torch.testing.assert_close(
-                out.loss.double(), torch.stack(losses).double().mean(), rtol=tol, atol=tol, msg=what
+                out.loss.double(),
+                torch.stack(losses).double().mean(),
+                rtol=tol,
+                atol=tol,
+                msg=lambda m, what=what: f"{what}: loss {m}",
             )
             norm = runner.clip_grad_norm_(1.0)
             torch.testing.assert_close(
-                norm.double(), ref_norm.double(), rtol=tol, atol=tol, msg=what
+                norm.double(),
+                ref_norm.double(),
+                rtol=tol,
+                atol=tol,
+                msg=lambda m, what=what: f"{what}: {m}",
             )
             for fqn, p in local.items():
                 expected = reference.get_parameter(fqn).grad

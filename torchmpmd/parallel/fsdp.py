@@ -171,7 +171,10 @@ class FSDP(Parallelism):
         """Gathers `stage`'s parameters (a no-op when they are gathered)."""
         module = self._stages.get(stage)
         if module is not None:
-            module.unshard()
+            # Its own units inside too (expert parallelism's experts over
+            # dp): a split stage built now must see their unsharded tensors.
+            for unit in _units(module):
+                unit.unshard()
 
     def reduce_grads(self, stage: int) -> None:
         """Reduce-scatters `stage`'s gradients and reshards its parameters."""
@@ -194,11 +197,18 @@ class FSDP(Parallelism):
     def reshard(self) -> None:
         """Reshards every local stage (after a step that did not finish)."""
         for module in self._stages.values():
-            module.reshard()
+            for unit in _units(module):
+                unit.reshard()
 
     def after_eval(self) -> None:
         """The forward gathered the stages: shards between uses."""
         self.reshard()
+
+
+def _units(stage: FSDPModule) -> list[FSDPModule]:
+    """The stage's FSDP2 units: itself, and any inside it."""
+    assert isinstance(stage, torch.nn.Module)
+    return [m for m in stage.modules() if isinstance(m, FSDPModule)]
 
 
 def _flattened(mesh: DeviceMesh) -> dist.ProcessGroup:
