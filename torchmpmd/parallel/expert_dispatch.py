@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .protocol import running_task
+from .protocol import running_again, running_task
 
 __all__ = ["GROUPED", "PARAMETER", "STYLES", "TOPK", "Dispatch", "Traffic"]
 
@@ -172,6 +172,8 @@ class Dispatch:
         return out
 
     def _record(self, recv_counts: torch.Tensor) -> None:
+        if running_again():
+            return  # a recompute's tokens were counted by its forward
         seen = self.traffic.tokens.get(self.path)
         ran = recv_counts.sum(0)
         self.traffic.tokens[self.path] = ran if seen is None else seen + ran

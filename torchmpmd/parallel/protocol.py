@@ -56,6 +56,7 @@ __all__ = [
     "kinds",
     "not_sharded_over",
     "register",
+    "running_again",
     "running_forward",
     "running_task",
 ]
@@ -260,15 +261,21 @@ _running = threading.local()
 
 
 @contextlib.contextmanager
-def running_forward(stage: int, microbatch: int) -> Iterator[None]:
+def running_forward(stage: int, microbatch: int, again: bool = False) -> Iterator[None]:
     """Set by the runtime around a stage's forward: what a parallelism's
-    collectives inside it are part of (`running_task`)."""
-    before = getattr(_running, "task", None)
-    _running.task = (stage, microbatch)
+    collectives inside it are part of (`running_task`); `again`: the
+    forward recomputed for its backward (R: `running_again`)."""
+    before = getattr(_running, "task", None), getattr(_running, "again", False)
+    _running.task, _running.again = (stage, microbatch), again
     try:
         yield
     finally:
-        _running.task = before
+        _running.task, _running.again = before
+
+
+def running_again() -> bool:
+    """Whether the forward this thread runs is a recomputation (R)."""
+    return bool(getattr(_running, "again", False))
 
 
 def running_task() -> tuple[int, int] | None:

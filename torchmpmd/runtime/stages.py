@@ -214,19 +214,22 @@ class Training:
         # Ranks as threads: the generator state each forward started from,
         # which its recompute (R, the second call) replays.
         self._rng_at: dict[tuple[int, int], torch.Tensor] = {}
+        # The (stage, microbatch) forwards run: a second is a recompute (R).
+        self._forwarded: set[tuple[int, int]] = set()
 
     @_recorded
     def forward(self, stage: int, mb: int, received: list[torch.Tensor]) -> list[torch.Tensor]:
         key = (stage, mb)
         replay = self._rng_at.pop(key, None)  # R: the second call
-        with own_generator(replay=replay) as start:
+        again = key in self._forwarded
+        self._forwarded.add(key)
+        with own_generator(replay=replay) as start, running_forward(stage, mb, again):
             if start is not None and replay is None and stage in self._stages[mb].recomputed:
                 self._rng_at[key] = start.clone()
             return self._forward(stage, mb, received)
 
     def _forward(self, stage: int, mb: int, received: list[torch.Tensor]) -> list[torch.Tensor]:
-        with running_forward(stage, mb):
-            return self._run_forward(stage, mb, received)
+        return self._run_forward(stage, mb, received)
 
     def _run_forward(self, stage: int, mb: int, received: list[torch.Tensor]) -> list[torch.Tensor]:
         st, step = self._stages[mb], self._step
