@@ -7,8 +7,12 @@ unpipelined model's on the whole global batch: a model written the way
 torchtitan's MoE is (its for-loop experts, `histc`, `argsort`, a shared
 expert, a dense first layer, DeepSeek's expert bias and balance loss) and
 Hugging Face's Qwen3-MoE with its own ep plan (float64, its eager experts),
-under 1F1B and ZB-H1. The all-to-all bytes the runner counts are those of
-the routed tokens; each rank holds half the experts."""
+under 1F1B and ZB-H1 (float32: its grouped_mm experts; DeepSeek-V3). The
+all-to-all bytes the runner counts are those of the routed tokens; each
+rank holds half the experts. Also: FSDP over the other parameters (and the
+experts over dp), full recomputation, stages cut by hand, tensor
+parallelism beside (8 ranks), meta-device models with DCP and Hugging Face
+checkpoints, a stalled peer, and what is refused."""
 
 from __future__ import annotations
 
@@ -254,6 +258,23 @@ MESHES = {
     "pp_ep": ((PP, EP), ("pp", "ep")),
     # One pipeline rank holding both stages, replicas over dp of ep groups.
     "dp_ep": ((1, 2, EP), ("pp", "dp", "ep")),
+    # 8 ranks: tensor parallelism for the attention inside each ep rank.
+    "ep_tp": ((PP, EP, 2), ("pp", "ep", "tp")),
+}
+
+# The torchtitan-style model's attention and dense MLPs over tp (Megatron's
+# column- and row-parallel pairs); the experts stay whole over tp.
+TITAN_TP_PLAN = {
+    "layers.*.attention.wq": "colwise",
+    "layers.*.attention.wk": "colwise",
+    "layers.*.attention.wv": "colwise",
+    "layers.*.attention.wo": "rowwise",
+    "layers.*.feed_forward.w1": "colwise",
+    "layers.*.feed_forward.w3": "colwise",
+    "layers.*.feed_forward.w2": "rowwise",
+    "layers.*.moe.shared_experts.w1": "colwise",
+    "layers.*.moe.shared_experts.w3": "colwise",
+    "layers.*.moe.shared_experts.w2": "rowwise",
 }
 
 
@@ -262,10 +283,11 @@ def train_ep(
 ) -> list[str]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
 
     shape, names = MESHES[layout]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    replicas = world // shape[0]
+    replicas = world // shape[0] // (shape[names.index("tp")] if "tp" in names else 1)
     done = []
     for model_name, schedule_name, data_parallel in combos:
         case = MODELS[model_name]
@@ -290,6 +312,7 @@ def train_ep(
                 data_parallel=data_parallel if data_parallel != "recompute" else None,
                 recompute=data_parallel == "recompute",
                 parallelize=experts_over_ep if case.by_hand else None,
+                tp_plan=TITAN_TP_PLAN if "tp" in names else None,
             ),
         )
         assert runner.dp_size == replicas, runner.dp_size
@@ -299,6 +322,14 @@ def train_ep(
         local = dict(runner.named_parameters())
         experts = _expert_tensors(runner)
         assert experts, "no expert parameter is sharded over ep"
+        if "tp" in names:  # the attention's projections are sharded over tp
+            over_tp = [
+                n
+                for n, p in local.items()
+                if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ())
+            ]
+            assert any(n.endswith("attention.wq.weight") for n in over_tp), over_tp
+            assert not any(".experts." in n for n in over_tp), over_tp
         # Each rank holds experts / ep of every layer's (under FSDP, / dp of that).
         share = replicas if data_parallel == "fsdp" else EP
         for fqn, p in experts.items():
@@ -390,6 +421,16 @@ def test_pipeline_times_expert_parallel_trains_like_the_unpipelined_model():
         ("deepseek_v3_f32", "Interleaved1F1B", None),
     ]
     reports = check_all(run_ranks(train_ep, PP * EP, combos))
+    assert all(len(r) == len(combos) for r in reports)
+
+
+@pytest.mark.slow
+def test_pipeline_times_expert_times_tensor_parallel():
+    # (pp 2, ep 2, tp 2), 8 ranks: the attention, the dense first layer and
+    # the shared expert over tp, the routed experts over ep (every tp rank
+    # dispatching the whole batch of its ep group).
+    combos = [("titan", "OneFOneB", None)]
+    reports = check_all(run_ranks(train_ep, 8, combos, "ep_tp", deadline=300))
     assert all(len(r) == len(combos) for r in reports)
 
 
@@ -487,14 +528,19 @@ def test_meta_model_on_pp_ep_checkpoints_into_any_layout_and_the_plain_model(tmp
 
     ckpt = str(tmp_path / "ep")
     # A: a meta model on (pp 2, ep 2); each rank allocates half the experts.
-    a = check_all(run_ranks(checkpoint_run, PP * EP, EP, True, None, ckpt, range(2)))
+    a = check_all(run_ranks(checkpoint_run, PP * EP, EP, True, None, ckpt, range(3)))
     experts = MoEArgs().num_experts
     for report in a:
         assert report["expert_rows"], report
         assert all(rows == experts // EP for rows in report["expert_rows"].values()), report
-    # B: the checkpoint on 2 pipeline ranks without ep (every expert on each).
-    b = check_all(run_ranks(checkpoint_run, PP, 1, False, ckpt, None, range(1, 2)))
+    # B: the checkpoint on 2 pipeline ranks without ep (every expert on each),
+    # which saves again after its step.
+    back = str(tmp_path / "no_ep")
+    b = check_all(run_ranks(checkpoint_run, PP, 1, False, ckpt, back, range(1, 3)))
     assert abs(a[0]["losses"][1] - b[0]["losses"][0]) <= 1e-10, (a[0]["losses"], b[0]["losses"])
+    # C: B's checkpoint back on (pp 2, ep 2): the step after it as A's.
+    c = check_all(run_ranks(checkpoint_run, PP * EP, EP, False, back, None, range(2, 3)))
+    assert abs(a[0]["losses"][2] - c[0]["losses"][0]) <= 1e-10, (a[0]["losses"], c[0]["losses"])
     for report_a, report_b in zip(a[:1], b[:1], strict=True):
         # One ep rank of a stage holds half of what the pipeline rank without ep holds.
         assert report_a["expert_elements"] * EP == report_b["expert_elements"]
@@ -580,11 +626,11 @@ def refusals(rank: int, world: int) -> dict[str, str]:
 
     pp_ep = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "ep"))
     ep_dp = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("pp", "ep", "dp"))
-    ep_tp = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("pp", "ep", "tp"))
+    tp_ep = init_device_mesh("cpu", (1, 1, 2), mesh_dim_names=("pp", "tp", "ep"))
     cases = {
         "plan without ep": (pipe(), None, {"ep_plan": {"layers.*.moe.experts": "grouped_experts"}}),
         "ep before dp": (pipe(), ep_dp, {}),
-        "ep with tp": (pipe(), ep_tp, {}),
+        "tp before ep": (pipe(), tp_ep, {}),
         "unknown style": (pipe(), pp_ep, {"ep_plan": {"layers.*.moe.experts": "colwise"}}),
         "names nothing": (pipe(), pp_ep, {"ep_plan": {"layers.*.mlp.experts": "grouped_experts"}}),
         "uneven": (pipe(3), pp_ep, {}),
@@ -610,7 +656,7 @@ def test_what_expert_parallelism_does_not_run_is_refused_with_what_to_do():
     errors = check_all(run_ranks(refusals, 2, deadline=120))[0]
     assert "ep_plan needs a mesh with an 'ep' dimension" in errors["plan without ep"], errors
     assert "'ep' dimension must come after 'dp'" in errors["ep before dp"], errors
-    assert "tensor parallelism" in errors["ep with tp"] and "do not combine" in errors["ep with tp"]
+    assert "'tp' dimension must come after 'ep'" in errors["tp before ep"], errors
     assert "has style 'colwise'; the styles are" in errors["unknown style"], errors
     assert "['layers.*.mlp.experts'] name no experts module" in errors["names nothing"], errors
     assert "'layers.1.moe.experts'" in errors["names nothing"], errors  # the ones there are

@@ -448,12 +448,18 @@ def _claim(names: tuple[str, ...] | None, left: tuple[str, ...], asked: Asked) -
             )
         return ()
     others = [n for n in left if n not in ("ep", "dp")]
-    if others or (names is not None and "tp" in names):
+    if others:
         raise ValueError(
-            f"PipelineRunner: expert parallelism runs on meshes ('pp', 'ep') and ('pp', 'dp', 'ep') "
-            f"(got dimensions {names}); tensor parallelism and torchtitan's dp_shard / "
-            "dp_replicate names do not combine with 'ep' yet: use those meshes (data_parallel="
-            "'fsdp' for FSDP2 over every data-parallel rank), or leave 'ep' out"
+            f"PipelineRunner: expert parallelism runs on meshes ('pp', 'ep') and ('pp', 'dp', "
+            f"'ep'), with 'tp' innermost for tensor parallelism (got dimensions {names}); "
+            "torchtitan's dp_shard / dp_replicate names do not combine with 'ep' yet: use those "
+            "meshes (data_parallel='fsdp' for FSDP2 over every data-parallel rank), or leave 'ep' "
+            "out"
+        )
+    if names is not None and "tp" in names and names.index("tp") < names.index("ep"):
+        raise ValueError(
+            f"PipelineRunner: the mesh's 'tp' dimension must come after 'ep' (got {names}): "
+            "tensor parallelism's ranks share one batch and are neighbours; name them (pp, ep, tp)"
         )
     if names is not None and "dp" in left and names.index("dp") > names.index("ep"):
         raise ValueError(

@@ -48,6 +48,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
+from ..graph.experts import experts_calls
 from ..graph.pipe import Pipe, StageSpec, TensorSpec
 from ..graph.stage import as_stage
 from . import tensor_ops  # noqa: F401  (sharding strategies DTensor lacks)
@@ -232,8 +233,12 @@ class TensorParallel(Parallelism):
         says (each tensor once, whatever names it has)."""
         done: dict[int, torch.nn.Parameter] = {}
         for s, module in sorted(stages.items()):
+            # Experts modules stay whole over tp (every tp rank runs its
+            # experts on the whole batch; expert parallelism shards them).
+            graph = as_stage(module).graph_module
+            experts = [f"{n.target}." for n in experts_calls(graph.graph)] if graph else []
             for name, param in list(module.named_parameters(remove_duplicate=False)):
-                if isinstance(param, DTensor):
+                if isinstance(param, DTensor) or name.startswith(tuple(experts)):
                     continue
                 names = aliases.get(name, [name])
                 wanted = {str(self.plan.placement(n, source)) for n in names}
@@ -348,8 +353,13 @@ class TensorParallel(Parallelism):
             self._place_module_inputs(graph, attributes)
         randoms = _random_nodes(graph)
         graph.lint()
+        experts = {
+            str(n.target): _ExpertsCall(module.get_submodule(str(n.target)), self.mesh)
+            for n in experts_calls(graph)
+        }
         parts: dict[str, torch.nn.Module] = {
             **randoms,
+            **experts,
             "_tp_attributes": _Attributes(module),
             "_tp_replicated": _Placed(self.mesh, Replicate()),
             "_tp_sequence": _Placed(self.mesh, Shard(1)),
@@ -423,6 +433,22 @@ class TensorParallel(Parallelism):
             return pytree.tree_map(lambda v: local(v, Replicate()), out)
 
         return run
+
+
+class _ExpertsCall(torch.nn.Module):
+    """An experts module's call (`graph.experts`) in a tensor-parallel stage:
+    every tp rank runs it on the whole batch (its inputs, replicated
+    DTensors, as local tensors; the experts are not sharded over tp), its
+    output a replicated DTensor again."""
+
+    def __init__(self, experts: torch.nn.Module, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.experts, self.mesh = experts, mesh
+
+    def forward(self, *args: Any) -> Any:
+        local = [replicated(a).to_local() if isinstance(a, DTensor) else a for a in args]
+        out = self.experts(*local)
+        return DTensor.from_local(out, self.mesh, [Replicate()], run_check=False)
 
 
 class _Random(torch.nn.Module):
