@@ -279,3 +279,10 @@ def experts_over_ep(stage: nn.Module, stage_mesh) -> None:
     for name, module in stage.named_modules():
         if isinstance(module, GroupedExperts):
             shard_experts(module, stage_mesh, "grouped_experts", path=name)
+
+
+class ExpertParallel:
+    """A stand-in for torchtitan's `ExpertParallel` ParallelStyle, as a
+    torchtitan user's plan names it (`{"layers.*.moe.experts":
+    ExpertParallel()}`): torchmpmd reads the style by its name (torchtitan
+    itself is not installed here)."""
