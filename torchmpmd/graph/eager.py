@@ -33,6 +33,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .builder import _input_names
+from .experts import experts_modules, traced_as_calls
 from .inputs import example_inputs
 from .names import aliases_of, tensor_names
 from .pipe import Pipe, StageSpec, TensorSpec, TransferInfo, place_tensor
@@ -199,8 +200,15 @@ def _probe(
             call_args, call_kwargs = (
                 (args, kwargs) if i == 0 else ((*prev,) if isinstance(prev, tuple) else (prev,), {})
             )
+            # On meta tensors a mixture of experts' routed tokens have no
+            # sizes (`.tolist()`): its experts modules answer with their
+            # output's shape alone (graph.experts, as in a trace).
+            experts = experts_modules(stage) if on_meta else {}
             try:
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with (
+                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+                    traced_as_calls(experts, named=False),
+                ):
                     out = torch.func.functional_call(
                         stage, {**buffers, **params}, call_args, call_kwargs, strict=False
                     )

@@ -285,3 +285,17 @@ def test_split_through_autograd_with_shared_and_output_only_parameters():
     split.weight_grad(0)
     for p, e in zip(params, expected, strict=True):
         torch.testing.assert_close(p.grad, e, rtol=1e-14, atol=1e-14)
+
+
+def test_a_meta_device_mixture_of_experts_cut_by_hand_is_probed():
+    # Its experts run routed tokens with data-dependent sizes (`.tolist()`),
+    # which meta tensors do not have: the probe asks the experts modules for
+    # their output's shape alone, as a trace does.
+    from titan_moe import FirstHalf, MoEArgs, SecondHalf, Transformer
+
+    with torch.device("meta"):
+        model = Transformer(MoEArgs()).double()
+    x = torch.randint(0, 64, (2, 8))
+    pipe = mpmd.from_stages([FirstHalf(model), SecondHalf(model)], (x,), model=model)
+    shapes = sorted(tuple(t.spec.shape) for t in pipe.transfers)
+    assert shapes == [(), (2, 8, 16)], shapes
