@@ -139,11 +139,29 @@ class ExpertParallel(Parallelism):
         if self._dp_group is None:
             # No replicas of the experts: only divided by ep, nothing sent.
             self._experts.size = 1
+        # With tensor parallelism, a call whose rows are tokens of their own
+        # (Hugging Face's convention) runs each tp rank's slice of them
+        # (tensor._ExpertsCall): those experts' gradients are sums over tp
+        # too (and averaged over dp, divided by ep).
+        names = tuple(root.mesh_dim_names or ())
+        self._tp_mesh = root["tp"] if "tp" in names and not self._experts_sharded else None
+        self._sliced_ids: set[int] = set()
+        self._sliced_paths: set[str] = set()
+        self._sliced: Replicas | None = None
+        if self._tp_mesh is not None:
+            over = (*data, "tp")
+            group = root[over]._flatten().get_group() if data else self._tp_mesh.get_group()
+            self._sliced = Replicas(
+                group, over, bucket, select=self._is_sliced, divisor=dp * self.size
+            )
         self.sharded: dict[str, int] = {}  # experts module path -> local experts
         self._tokens: dict[str, torch.Tensor] = {}  # the last step's, per expert
 
     def _is_expert(self, p: torch.nn.Parameter) -> bool:
-        return id(p) in self._expert_ids
+        return id(p) in self._expert_ids and id(p) not in self._sliced_ids
+
+    def _is_sliced(self, p: torch.nn.Parameter) -> bool:
+        return id(p) in self._sliced_ids
 
     def _is_dense(self, p: torch.nn.Parameter) -> bool:
         return id(p) not in self._expert_ids
@@ -250,6 +268,9 @@ class ExpertParallel(Parallelism):
         plan sharded, or a user's `parallelize` with `shard_experts`)."""
         dispatch.traffic = self.traffic
         dispatch.path = path
+        if self._tp_mesh is not None and dispatch.style == TOPK:
+            dispatch.split_rows_over = self._tp_mesh
+            self._sliced_paths.add(path)
         self.sharded[path] = dispatch.local
 
     # ---- weights
@@ -261,10 +282,19 @@ class ExpertParallel(Parallelism):
             for p in m.parameters()
             if isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
         }
+        self._sliced_ids = {
+            id(p)
+            for m in stages.modules.values()
+            for sub in m.modules()
+            if getattr(sub.__dict__.get("forward"), "split_rows_over", None) is not None
+            for p in sub.parameters()
+        }
         self._dense.attach(stages)
         if self._experts_sharded:
             self._expert_ids = set()  # their own FSDP2 units reduce them
         self._experts.attach(stages)
+        if self._sliced is not None:
+            self._sliced.attach(stages)
 
     def _shard_experts_over_dp(self, stage: torch.nn.Module) -> None:
         """FSDP2 over dp for each experts module of `stage` (its parameters
@@ -307,18 +337,21 @@ class ExpertParallel(Parallelism):
 
     # ---- steps
 
+    def _parts(self) -> list[Replicas | FSDP]:
+        return [self._dense, self._experts, *([self._sliced] if self._sliced else [])]
+
     def start_step(self) -> None:
         self.traffic.reset()
-        self._dense.start_step()
-        self._experts.start_step()
+        for part in self._parts():
+            part.start_step()
 
     def reduce_grads(self, stage: int) -> None:
-        self._dense.reduce_grads(stage)
-        self._experts.reduce_grads(stage)
+        for part in self._parts():
+            part.reduce_grads(stage)
 
     def finish(self, tied: Mapping[int, torch.nn.Parameter]) -> None:
         failed: RuntimeError | None = None
-        for part in (self._dense, self._experts):
+        for part in self._parts():
             try:
                 part.finish(tied)
             except RuntimeError as err:
@@ -339,6 +372,17 @@ class ExpertParallel(Parallelism):
                 for p in paths
             ]
         ).long()
+        if self._sliced_paths and self._tp_mesh is not None:
+            # Each tp rank ran its slice of the tokens: the whole batch's.
+            mask = torch.cat(
+                [
+                    torch.full((self.sharded[p],), p in self._sliced_paths, dtype=torch.long)
+                    for p in paths
+                ]
+            )
+            summed = local * mask
+            dist.all_reduce(summed, group=self._tp_mesh.get_group())
+            local = torch.where(mask.bool(), summed, local)
         parts = [torch.empty_like(local) for _ in range(self.size)]
         dist.all_gather(parts, local, group=self.ep_group)
         per_rank = torch.stack(parts)

@@ -137,6 +137,9 @@ class Dispatch:
         self.group, self.traffic = group, traffic
         self.size = dist.get_world_size(group)
         self.forward = type(module).forward
+        # The tp mesh whose ranks each run a slice of the call's rows (set by
+        # expert parallelism beside tensor parallelism), or None.
+        self.split_rows_over: Any = None
 
     def __call__(self, *args: Any) -> torch.Tensor:
         if self.style == TOPK:
