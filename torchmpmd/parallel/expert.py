@@ -141,7 +141,7 @@ class ExpertParallel(Parallelism):
             self._experts.size = 1
         # With tensor parallelism, a call whose rows are tokens of their own
         # (Hugging Face's convention) runs each tp rank's slice of them
-        # (tensor._ExpertsCall): those experts' gradients are sums over tp
+        # (expert_dispatch.ExpertsOverTp): those experts' gradients are sums over tp
         # too (and averaged over dp, divided by ep).
         names = tuple(root.mesh_dim_names or ())
         self._tp_mesh = root["tp"] if "tp" in names and not self._experts_sharded else None

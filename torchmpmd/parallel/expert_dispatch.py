@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .protocol import running_again, running_task
 
-__all__ = ["GROUPED", "PARAMETER", "STYLES", "TOPK", "Dispatch", "Traffic"]
+__all__ = ["GROUPED", "PARAMETER", "STYLES", "TOPK", "Dispatch", "ExpertsOverTp", "Traffic"]
 
 TOPK = "ep_dispatch_experts"  # Hugging Face: (tokens, top-k ids, top-k weights)
 GROUPED = "grouped_experts"  # torchtitan: (rows sorted by expert, tokens per expert)
@@ -236,3 +237,47 @@ def _local_parameters(module: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         module._parameters.update(saved)
+
+
+class ExpertsOverTp(torch.nn.Module):
+    """An experts module's call (`graph.experts`) in a tensor-parallel stage
+    (the experts are not sharded over tp): its inputs, replicated DTensors,
+    as local tensors, its output a replicated DTensor again. Where expert
+    parallelism says the call's rows are tokens of their own
+    (`split_rows_over`: Hugging Face's convention), each tp rank runs its
+    slice of the rows (`Shard(0)`, no communication) and the outputs are
+    gathered: no token computed twice (the experts' gradients are then
+    partial over tp, which expert parallelism sums); otherwise each tp rank
+    runs them all."""
+
+    def __init__(
+        self,
+        experts: torch.nn.Module,
+        mesh: DeviceMesh,
+        replicated: Callable[[DTensor], DTensor],
+    ) -> None:
+        super().__init__()
+        self.experts, self.mesh = experts, mesh
+        # tensor.replicated: a value replicated, and its gradient too.
+        self._replicated = replicated
+
+    def forward(self, *args: Any) -> Any:
+        call = self.experts.__dict__.get("forward")
+        if getattr(call, "split_rows_over", None) is None:
+            local = [self._replicated(a).to_local() if isinstance(a, DTensor) else a for a in args]
+            out = self.experts(*local)
+            return DTensor.from_local(out, self.mesh, [Replicate()], run_check=False)
+        whole = [
+            self._replicated(a)
+            if isinstance(a, DTensor)
+            else DTensor.from_local(a, self.mesh, [Replicate()], run_check=False)
+            for a in args
+        ]
+        rows = [a.redistribute(self.mesh, [Shard(0)]).to_local() for a in whole]
+        out = self.experts(*rows)
+        shape = torch.Size((whole[0].shape[0], *out.shape[1:]))
+        stride = torch.empty(shape, device="meta").stride()
+        sliced = DTensor.from_local(
+            out, self.mesh, [Shard(0)], run_check=False, shape=shape, stride=stride
+        )
+        return sliced.redistribute(self.mesh, [Replicate()])

@@ -52,6 +52,7 @@ from ..graph.experts import experts_calls
 from ..graph.pipe import Pipe, StageSpec, TensorSpec
 from ..graph.stage import as_stage
 from . import tensor_ops  # noqa: F401  (sharding strategies DTensor lacks)
+from .expert_dispatch import ExpertsOverTp
 from .protocol import Asked, Kind, Parallelism, Parallelize, RankStages, not_sharded_over, register
 from .replicate import broadcast_from_first
 from .tensor_checks import check_plan
@@ -354,7 +355,7 @@ class TensorParallel(Parallelism):
         randoms = _random_nodes(graph)
         graph.lint()
         experts = {
-            str(n.target): _ExpertsCall(module.get_submodule(str(n.target)), self.mesh)
+            str(n.target): ExpertsOverTp(module.get_submodule(str(n.target)), self.mesh, replicated)
             for n in experts_calls(graph)
         }
         parts: dict[str, torch.nn.Module] = {
@@ -433,43 +434,6 @@ class TensorParallel(Parallelism):
             return pytree.tree_map(lambda v: local(v, Replicate()), out)
 
         return run
-
-
-class _ExpertsCall(torch.nn.Module):
-    """An experts module's call (`graph.experts`) in a tensor-parallel stage
-    (the experts are not sharded over tp): its inputs, replicated DTensors,
-    as local tensors, its output a replicated DTensor again. Where expert
-    parallelism says the call's rows are tokens of their own
-    (`split_rows_over`: Hugging Face's convention), each tp rank runs its
-    slice of the rows (`Shard(0)`, no communication) and the outputs are
-    gathered: no token computed twice (the experts' gradients are then
-    partial over tp, which expert parallelism sums); otherwise each tp rank
-    runs them all."""
-
-    def __init__(self, experts: torch.nn.Module, mesh: DeviceMesh) -> None:
-        super().__init__()
-        self.experts, self.mesh = experts, mesh
-
-    def forward(self, *args: Any) -> Any:
-        call = self.experts.__dict__.get("forward")
-        if getattr(call, "split_rows_over", None) is None:
-            local = [replicated(a).to_local() if isinstance(a, DTensor) else a for a in args]
-            out = self.experts(*local)
-            return DTensor.from_local(out, self.mesh, [Replicate()], run_check=False)
-        whole = [
-            replicated(a)
-            if isinstance(a, DTensor)
-            else DTensor.from_local(a, self.mesh, [Replicate()], run_check=False)
-            for a in args
-        ]
-        rows = [a.redistribute(self.mesh, [Shard(0)]).to_local() for a in whole]
-        out = self.experts(*rows)
-        shape = torch.Size((whole[0].shape[0], *out.shape[1:]))
-        stride = torch.empty(shape, device="meta").stride()
-        sliced = DTensor.from_local(
-            out, self.mesh, [Shard(0)], run_check=False, shape=shape, stride=stride
-        )
-        return sliced.redistribute(self.mesh, [Replicate()])
 
 
 class _Random(torch.nn.Module):
