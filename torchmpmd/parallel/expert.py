@@ -25,8 +25,12 @@ the experts borrow the data-parallel ranks): each runs its own part of the
 batch, the other parameters' gradients are averaged over every data-parallel
 rank (a "dp" dimension's and ep's together), and an expert's gradient, a sum
 over every ep rank's tokens already, is averaged over "dp" and divided by
-ep. Supported meshes: ("pp", "ep") and ("pp", "dp", "ep") with replicas
-over dp; anything else with "ep" is refused, saying why.
+ep. With `data_parallel="fsdp"` the other parameters are sharded over
+dp x ep and the experts over dp. Supported meshes: ("pp", "ep") and ("pp",
+"dp", "ep"), each with an innermost "tp" (tensor parallelism for the rest
+of the stage: `expert_dispatch.ExpertsOverTp`); anything else with "ep" is
+refused, saying why. Stages cut by hand shard their experts in the user's
+`parallelize` with `shard_experts`.
 """
 
 from __future__ import annotations
