@@ -818,3 +818,70 @@ def test_hugging_face_checkpoints_read_and_write_only_a_ranks_own_experts(tmp_pa
     back = AutoModelForCausalLM.from_pretrained(out)
     for name, value in after.items():
         assert torch.equal(back.get_parameter(name).detach(), value), name
+
+
+def unchosen_experts(rank: int, world: int) -> list[str]:
+    """Every token chooses the experts of ep rank 0 (a router biased to
+    them): ep rank 1 receives no token, and must still run its reverse
+    all-to-alls in the backward (its peer waits for them), exactly."""
+    import torch.distributed as dist
+    from gpt import GPT, GPTConfig, lm_loss
+    from titan_moe import MoEArgs, Transformer, moe_loss
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, EP), mesh_dim_names=("pp", "ep"))
+    favour = torch.tensor([10.0, 10.0, -10.0, -10.0], dtype=torch.float64)
+
+    def titan() -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = Transformer(MoEArgs(vocab_size=VOCAB)).double()
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name.endswith("expert_bias"):
+                    b.copy_(favour)
+        return model
+
+    def gpt() -> torch.nn.Module:  # Hugging Face's calling convention
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, dim=16, heads=2, layers=2, experts=4))
+        for block in model.blocks:
+            block.mlp.router = torch.nn.Linear(16, 4)
+            with torch.no_grad():
+                block.mlp.router.bias.copy_(favour.float())
+        return model.double()
+
+    done = []
+    for build, loss_fn in ((titan, moe_loss), (gpt, lm_loss)):
+        model, reference = build(), build()
+        x0 = torch.randint(0, VOCAB, (MICROBATCH, SEQ))
+        runner = mpmd.PipelineRunner(
+            mpmd.trace(model, (x0,)),
+            mpmd.schedules.GPipe(2),
+            mesh=mesh,
+            loss_fn=loss_fn,
+            options=mpmd.RunnerOptions(timeout=20),
+        )
+        x, y = _global_batch(5)
+        x, y = x[: 4 * MICROBATCH], y[: 4 * MICROBATCH]
+        for xb, yb in zip(x.chunk(4), y.chunk(4), strict=True):
+            (loss_fn(reference(xb), yb) / 4).backward()
+        part = dist.get_rank(runner.dp_group)
+        half = slice(part * 2 * MICROBATCH, (part + 1) * 2 * MICROBATCH)
+        out = runner.step(x[half], target=y[half])
+        counts = torch.cat(list(out.metrics["tokens_per_expert"].values()))
+        assert counts.reshape(-1, 4)[:, 2:].sum() == 0, counts  # nobody chose 2 or 3
+        for fqn, p in runner.named_parameters():
+            expected = reference.get_parameter(fqn).grad
+            got = whole_tensor(p.grad) if p.grad is not None else None
+            if expected is None:
+                assert got is None or not got.any(), fqn
+                continue
+            torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10, msg=fqn)
+        done.append(type(model).__name__)
+    return done
+
+
+@pytest.mark.slow
+def test_an_ep_rank_no_token_chose_still_runs_its_backward():
+    results = check_all(run_ranks(unchosen_experts, EP, deadline=120))
+    assert all(len(r) == 2 for r in results), results

@@ -7,6 +7,7 @@ module's own forward on what arrived, and brings the results back (see
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -73,7 +74,7 @@ class _Exchange:
                 raise RuntimeError(self.failed(what, err)) from err
         end = time.time()
         me = dist.get_rank(self.group)
-        row = x[0].numel() * x.element_size() if x.dim() else x.element_size()
+        row = math.prod(x.shape[1:]) * x.element_size()  # bytes of one row (none may come)
         self.traffic.sent_bytes += (sum(send) - send[me]) * row
         self.traffic.received_bytes += (sum(recv) - recv[me]) * row
         stage, mb = self.task if self.task is not None else (-1, -1)
@@ -175,6 +176,19 @@ class Dispatch:
             out: torch.Tensor = self.forward(self.module, *args)
         return out
 
+    def _run_none(
+        self, rows: torch.Tensor, args: Callable[[torch.Tensor], tuple[Any, ...]]
+    ) -> torch.Tensor:
+        """The experts' call when no token came to this rank: on one row of
+        zeros made from the (empty) received rows, its output's first zero
+        rows. So no kernel sees an empty batch, and the output stays
+        connected to the received rows: the backward still runs this rank's
+        reverse all-to-alls, which its peers wait for (an expert nobody
+        chose gets a zero gradient)."""
+        one = rows.sum(0, keepdim=True)
+        out: torch.Tensor = self._run_local(*args(one))
+        return out[:0]
+
     def _record(self, recv_counts: torch.Tensor) -> None:
         if running_again():
             return  # a recompute's tokens were counted by its forward
@@ -197,7 +211,11 @@ class Dispatch:
         local_ids = local_ids.repeat_interleave(recv_counts.reshape(-1), output_size=sum(recv))
         # Unit weights: the routing weights are applied where the token lives.
         ones = torch.ones((rows.shape[0], 1), dtype=top_k_weights.dtype, device=rows.device)
-        out = self._run_local(rows, local_ids[:, None], ones)
+        if rows.shape[0]:
+            out = self._run_local(rows, local_ids[:, None], ones)
+        else:
+            unit = torch.ones((1, 1), dtype=top_k_weights.dtype, device=rows.device)
+            out = self._run_none(rows, lambda one: (one, local_ids.new_zeros((1, 1)), unit))
         back = _all_to_all(out, send, recv, combine)
         placed = back.new_zeros(back.shape).index_copy(0, order, back)
         weighted = placed.reshape(tokens, k, -1) * top_k_weights.unsqueeze(-1).to(placed.dtype)
@@ -219,7 +237,13 @@ class Dispatch:
             torch.cumsum(by_expert, 0) - by_expert, by_expert, output_size=sum(recv)
         )
         order = first + within
-        ran = self._run_local(got[order], recv_counts.sum(0).to(per_expert.dtype))
+        counts = recv_counts.sum(0).to(per_expert.dtype)
+        if got.shape[0]:
+            ran = self._run_local(got[order], counts)
+        else:
+            one_row = torch.zeros_like(counts)
+            one_row[0] = 1
+            ran = self._run_none(got, lambda one: (one, one_row))
         back = ran.new_zeros(ran.shape).index_copy(0, order, ran)
         return _all_to_all(back, send, recv, combine)
 
