@@ -32,7 +32,9 @@ M = 4  # microbatches per ep rank
 MICROBATCH, SEQ, VOCAB = 2, 8, 64
 
 
-def _titan() -> torch.nn.Module:
+def _titan(bias: torch.Tensor | None = None) -> torch.nn.Module:
+    """The torchtitan-style MoE, its expert bias `bias` (default: small
+    random values, so that the bias takes part in the routing)."""
     from titan_moe import MoEArgs, Transformer
 
     torch.manual_seed(0)
@@ -40,7 +42,10 @@ def _titan() -> torch.nn.Module:
     with torch.no_grad():
         for name, b in model.named_buffers():
             if name.endswith("expert_bias"):
-                b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(3)) * 0.05)
+                generator = torch.Generator().manual_seed(3)
+                b.copy_(
+                    bias if bias is not None else torch.randn(b.shape, generator=generator) * 0.05
+                )
     return model
 
 
@@ -826,20 +831,14 @@ def unchosen_experts(rank: int, world: int) -> list[str]:
     all-to-alls in the backward (its peer waits for them), exactly."""
     import torch.distributed as dist
     from gpt import GPT, GPTConfig, lm_loss
-    from titan_moe import MoEArgs, Transformer, moe_loss
+    from titan_moe import moe_loss
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (1, EP), mesh_dim_names=("pp", "ep"))
     favour = torch.tensor([10.0, 10.0, -10.0, -10.0], dtype=torch.float64)
 
     def titan() -> torch.nn.Module:
-        torch.manual_seed(0)
-        model = Transformer(MoEArgs(vocab_size=VOCAB)).double()
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                if name.endswith("expert_bias"):
-                    b.copy_(favour)
-        return model
+        return _titan(favour)
 
     def gpt() -> torch.nn.Module:  # Hugging Face's calling convention
         torch.manual_seed(0)
