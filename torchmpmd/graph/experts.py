@@ -28,12 +28,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
+
+from .names import path_pattern
 
 __all__ = [
     "EXPERTS_OP",
@@ -75,10 +76,8 @@ EXPERTS_OP = torch.ops.torchmpmd.experts.default
 
 
 def matches_pattern(path: str, pattern: str) -> bool:
-    regex = "".join(
-        "[^.]+" if part == "*" else re.escape(part) for part in re.split(r"(\*)", pattern)
-    )
-    return re.fullmatch(regex, path) is not None
+    """Whether module `path` is one the plan pattern names (`names.path_pattern`)."""
+    return path_pattern(pattern).fullmatch(path) is not None
 
 
 def _stacked_experts(module: torch.nn.Module) -> bool:

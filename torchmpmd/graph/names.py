@@ -1,11 +1,25 @@
 """The names a model gives its parameters and buffers (a tied tensor has
-several): one walk, for traced and hand-cut stages alike."""
+several): one walk, for traced and hand-cut stages alike; and the module-path
+patterns plans name modules by (`path_pattern`)."""
 
 from __future__ import annotations
 
+import functools
+import re
+
 import torch
 
-__all__ = ["aliases_of", "tensor_names"]
+__all__ = ["aliases_of", "path_pattern", "tensor_names"]
+
+
+@functools.cache
+def path_pattern(key: str) -> re.Pattern[str]:
+    """A plan's module-path pattern as a regular expression (for `fullmatch`):
+    `*` stands for one path component ('layers.*.mlp.experts'). Tensor and
+    expert plans and `mpmd.trace(..., experts=...)` read patterns alike."""
+    return re.compile(
+        ".".join("[^.]+" if part == "*" else re.escape(part) for part in key.split("."))
+    )
 
 
 def tensor_names(model: torch.nn.Module) -> dict[int, list[str]]:

@@ -318,20 +318,22 @@ class ExpertParallel(Parallelism):
     def start_equal(self, tensors: list[torch.Tensor]) -> None:
         """Every data-parallel rank starts from the first's dense tensors; an
         expert shard from its dp replica's first."""
-        bucket = self._experts.bucket_bytes
         self._dense.start_equal(tensors)
-        if self._dp_group is not None:
-            whole = {id(t) for t in not_sharded_over(tensors, ("ep",))}
-            shards = [t for t in tensors if id(t) not in whole]
-            broadcast_from_first(self._dp_group, not_sharded_over(shards, self.dims[:-1]), bucket)
+        self._experts_equal(tensors)
 
     def make_equal(self, tensors: list[torch.Tensor]) -> None:
         self._dense.make_equal(tensors)
-        if self._dp_group is not None:
-            whole = {id(t) for t in not_sharded_over(tensors, ("ep",))}
-            shards = [t for t in tensors if id(t) not in whole]
-            bucket = self._experts.bucket_bytes
-            broadcast_from_first(self._dp_group, not_sharded_over(shards, self.dims[:-1]), bucket)
+        self._experts_equal(tensors)
+
+    def _experts_equal(self, tensors: list[torch.Tensor]) -> None:
+        """The expert shards (sharded over ep) like their dp replica's first."""
+        if self._dp_group is None:
+            return
+        whole = {id(t) for t in not_sharded_over(tensors, ("ep",))}
+        shards = [t for t in tensors if id(t) not in whole]
+        broadcast_from_first(
+            self._dp_group, not_sharded_over(shards, self.dims[:-1]), self._experts.bucket_bytes
+        )
 
     def unshard(self, stage: int) -> None:
         self._dense.unshard(stage)

@@ -6,14 +6,14 @@ torch's `ParallelStyle` objects instead of names, as a torchtitan
 
 from __future__ import annotations
 
-import functools
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed.tensor.parallel
 from torch.distributed.tensor import Placement, Replicate, Shard
+
+from ..graph.names import path_pattern
 
 __all__ = ["STYLES", "TensorPlan"]
 
@@ -110,12 +110,7 @@ def style_name(value: object, key: str, where: str) -> str | None:
     )
 
 
-@functools.cache
-def _pattern(key: str) -> re.Pattern[str]:
-    """A plan key as a regular expression: `*` stands for one path component."""
-    return re.compile(
-        ".".join("[^.]+" if part == "*" else re.escape(part) for part in key.split("."))
-    )
+_pattern = path_pattern  # a plan key as a regular expression (tensor_checks reads it too)
 
 
 @dataclass(frozen=True)

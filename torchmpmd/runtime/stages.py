@@ -229,9 +229,6 @@ class Training:
             return self._forward(stage, mb, received)
 
     def _forward(self, stage: int, mb: int, received: list[torch.Tensor]) -> list[torch.Tensor]:
-        return self._run_forward(stage, mb, received)
-
-    def _run_forward(self, stage: int, mb: int, received: list[torch.Tensor]) -> list[torch.Tensor]:
         st, step = self._stages[mb], self._step
         split = st.split_graphs.get(stage)
         if split is not None:
