@@ -16,16 +16,24 @@ the schedule: data and tensor parallelism) and `checkpoint`.
 import torch  # noqa: F401  (loads libtorch before the native core)
 
 from . import _C, checkpoint, schedules, viz
+from .build import build
 from .graph import Pipe, from_stages, mark_stage_end
 from .planner import (
     Balance,
+    ClusterCandidate,
+    ClusterPlan,
+    Layout,
+    Link,
+    Links,
     Machine,
     Plan,
     Projection,
     TransformerShape,
     balance,
+    calibrate,
     plan,
     project,
+    search_cluster,
     trace,
 )
 from .refine import refine
@@ -49,8 +57,13 @@ PipelineError.__module__ = "torchmpmd"
 
 __all__ = [
     "Balance",
+    "ClusterCandidate",
+    "ClusterPlan",
     "Costs",
     "CpuTuning",
+    "Layout",
+    "Link",
+    "Links",
     "Machine",
     "Pipe",
     "PipelineError",
@@ -68,6 +81,8 @@ __all__ = [
     "TransformerShape",
     "__version__",
     "balance",
+    "build",
+    "calibrate",
     "checkpoint",
     "compile_schedule",
     "from_stages",
@@ -76,6 +91,7 @@ __all__ = [
     "project",
     "refine",
     "schedules",
+    "search_cluster",
     "trace",
     "tune_cpu",
     "viz",

@@ -21,11 +21,9 @@ were before.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import datetime
-import json
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -33,19 +31,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _get_default_store
 
-from .planner import trace
-from .planner.plan import Candidate, Plan, _simplicity, batch_rows
+from .build import _as_candidate, layout_mesh, runner_of
+from .planner.candidates import Candidate, Plan, per_batch, simplicity
+from .planner.check_in import check_in
 from .planner.profiler import _buffers_restored
+from .planner.weigh import batch_rows
 from .runtime import PipelineRunner, RunnerOptions
 
 __all__ = ["refine"]
-
-_PREFIX = "torchmpmd.refine"
-_GRACE = 2.0  # extra seconds the other ranks wait for the first rank's verdict
-# refine calls per group, alike on every rank of the group
-_calls: collections.Counter[str] = collections.Counter()
 
 
 def refine(
@@ -110,7 +104,10 @@ def refine(
     if problem is not None:
         raise problem
     with _model_kept(model):
-        runners = [_runner(c, model, batch_args, rows, loss_fn, base, group) for c in chosen]
+        mesh = layout_mesh(plan.layout) if plan.layout is not None else None
+        runners = [
+            runner_of(c, model, batch_args, rows, loss_fn, base, mesh, group) for c in chosen
+        ]
         times = _measure(runners, batch_args, target, rounds, warmup, group)
     medians: list[Any] = [[statistics.median(t) for t in times]]
     dist.broadcast_object_list(medians, src=dist.get_global_rank(group, 0) if group else 0)
@@ -120,7 +117,7 @@ def refine(
     ]
     fastest = min(c.measured_step_time or 0.0 for c in measured)
     close = [c for c in measured if (c.measured_step_time or 0.0) <= fastest * (1 + tolerance)]
-    best = min(close, key=_simplicity)
+    best = min(close, key=simplicity)
     assert best.schedule is not None
     kept = plan.balance if best is measured[0] else None
     others = [
@@ -151,46 +148,18 @@ def refine(
 def _check_in(
     group: dist.ProcessGroup | None, timeout: float | datetime.timedelta, entry: dict[str, Any]
 ) -> None:
-    """Posts this rank's call in the default store; the group's first rank
-    waits up to `timeout` for every rank's and posts a verdict. A rank that
-    sees no verdict in time posts its own failure in its place (the first
-    verdict stands), so every rank raises the same error, naming the ranks
-    that did not call. Then the calls must agree."""
+    """Every rank of the pipeline's group calls it within `timeout`
+    (`check_in`), with the same plan, batch rows, rounds and warmup."""
     seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-    store = _get_default_store()
-    ranks = dist.get_process_group_ranks(group) if group else list(range(dist.get_world_size()))
-    name = getattr(group or dist.group.WORLD, "group_name", "-".join(map(str, ranks)))
-    _calls[name] += 1
-    me, n = dist.get_rank(), _calls[name]
-    keys = {r: f"{_PREFIX}/{name}/{n}/{r}" for r in ranks}
-    verdict_key = f"{_PREFIX}/{name}/{n}/verdict"
-    store.set(keys[me], json.dumps(entry))
-    mine: dict[str, Any] = {"missing": [], "by": ranks[0]}
-    if me == ranks[0]:
-        with contextlib.suppress(RuntimeError):  # who is missing is read below
-            store.wait(list(keys.values()), datetime.timedelta(seconds=seconds))
-        mine["missing"] = [r for r in ranks if not store.check([keys[r]])]
-    else:
-        try:
-            store.wait([verdict_key], datetime.timedelta(seconds=seconds + _GRACE))
-        except RuntimeError:
-            mine = {"missing": [ranks[0]], "by": me}
-    try:
-        verdict = json.loads(store.compare_set(verdict_key, "", json.dumps(mine)))
-    except RuntimeError:  # the store went with its host's process
-        verdict = mine
-    if verdict["missing"]:
-        raise TimeoutError(
-            f"mpmd.refine is a collective: every rank of the pipeline's group must call it. "
-            f"Rank(s) {verdict['missing']} did not call it within {seconds:g} s (rank "
-            f"{verdict['by']} waited for them; this is rank {me}, in its mpmd.refine call {n}). "
-            "Call it on every rank with the same plan and batch, or raise "
-            "RunnerOptions(timeout=...) if a rank is only slow"
-        )
+    me = dist.get_rank()
+    advice = (
+        "Call it on every rank with the same plan and batch, or raise "
+        "RunnerOptions(timeout=...) if a rank is only slow"
+    )
+    entries = check_in("mpmd.refine", group, seconds, entry, advice)
     if entry["problem"] is not None:
         return  # the caller raises its own
-    for r in ranks:
-        other = json.loads(store.get(keys[r]))
+    for r, other in entries.items():
         if other["problem"] is not None:
             raise ValueError(f"mpmd.refine: rank {r} could not run it: {other['problem']}")
         differ = [k for k in ("plan", "rows", "rounds", "warmup") if other[k] != entry[k]]
@@ -200,19 +169,6 @@ def _check_in(
                 f"({entry[differ[0]]!r} and {other[differ[0]]!r}); pass the same plan (mpmd.plan "
                 "gives every rank rank 0's), batch, rounds and warmup on every rank"
             )
-
-
-def _as_candidate(plan: Plan) -> Candidate:
-    return Candidate(
-        name=repr(plan.schedule),
-        schedule=plan.schedule,
-        num_stages=plan.num_stages,
-        num_microbatches=plan.num_microbatches,
-        split_before=plan.split_before,
-        predicted_step_time=plan.predicted_step_time,
-        predicted_peak_bytes=plan.predicted_peak_bytes,
-        recompute=plan.recompute,
-    )
 
 
 def _rows(batch_args: tuple[Any, ...]) -> int:
@@ -226,8 +182,10 @@ def _rows(batch_args: tuple[Any, ...]) -> int:
 
 
 def _candidates(plan: Plan, slack: float, rows: int) -> list[Candidate]:
-    """The plan, then per family the fastest predicted within `slack` of it
-    (whose microbatch count divides the batch)."""
+    """The plan, then per family the fastest predicted within `slack` of the
+    plan's prediction (per global batch when the plan was given one, else
+    per microbatch), on the plan's layout, whose microbatch count divides
+    the batch."""
     first = _as_candidate(plan)
     if rows % plan.num_microbatches:
         raise ValueError(
@@ -236,12 +194,18 @@ def _candidates(plan: Plan, slack: float, rows: int) -> list[Candidate]:
         )
     out = [first]
     families = {_family(first, plan.num_ranks)}
-    per_mb = plan.predicted_step_time / plan.num_microbatches
+    mine = per_batch(first, plan.batch_size)
     for c in sorted(
-        (c for c in plan.alternatives if c.schedule is not None and c.predicted_step_time > 0),
-        key=lambda c: c.predicted_step_time / c.num_microbatches,
+        (
+            c
+            for c in plan.alternatives
+            if c.schedule is not None
+            and c.predicted_step_time > 0
+            and (c.layout or plan.mesh_layout) == plan.mesh_layout
+        ),
+        key=lambda c: per_batch(c, plan.batch_size),
     ):
-        if rows % c.num_microbatches or c.predicted_step_time / c.num_microbatches > slack * per_mb:
+        if rows % c.num_microbatches or per_batch(c, plan.batch_size) > slack * mine:
             continue
         family = _family(c, plan.num_ranks)
         if family not in families:
@@ -253,26 +217,8 @@ def _candidates(plan: Plan, slack: float, rows: int) -> list[Candidate]:
 def _family(c: Candidate, num_ranks: int) -> tuple[int, bool]:
     """Stage count, and whether the schedule splits its backward."""
     assert c.schedule is not None
-    return c.num_stages, c.schedule.splits_backward(c.num_stages, num_ranks)
-
-
-def _runner(
-    c: Candidate,
-    model: torch.nn.Module,
-    batch_args: tuple[Any, ...],
-    rows: int,
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-    base: RunnerOptions,
-    group: dist.ProcessGroup | None,
-) -> PipelineRunner:
-    assert c.schedule is not None
-    mb = rows // c.num_microbatches
-    example = tuple(
-        a[:mb] if isinstance(a, torch.Tensor) and a.dim() > 0 else a for a in batch_args
-    )
-    pipe = trace(model, example, split_before=c.split_before)
-    opts = dataclasses.replace(base, recompute=dict(c.recompute) or False)
-    return PipelineRunner(pipe, c.schedule, loss_fn=loss_fn, options=opts, group=group)
+    pp = c.layout.pp if c.layout is not None else num_ranks
+    return c.num_stages, c.schedule.splits_backward(c.num_stages, pp)
 
 
 def _measure(

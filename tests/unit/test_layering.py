@@ -19,7 +19,7 @@ ALLOWED = {
     "schedule": {"graph"},
     "runtime": {"graph", "schedule", "parallel"},
     "parallel": {"graph", "schedule"},
-    "planner": {"graph", "schedule"},
+    "planner": {"graph", "schedule", "parallel"},
     "checkpoint": {"graph", "runtime"},
 }
 

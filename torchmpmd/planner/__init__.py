@@ -16,7 +16,9 @@ planner (a schedule chooser, a memory planner) would:
   of microbatches weighed together;
 - `split_profile.py`: each unit's I and W timed apart from its B;
 - `cluster.py`: `mpmd.project`, a step at cluster scale from a machine
-  description and a transformer's config, on the same simulator.
+  description and a transformer's config, on the same simulator;
+- `cluster_search.py`: `mpmd.search_cluster`, the layout (pp x tp x dp),
+  schedule, microbatches and recompute that `project` prices fastest.
 
 Units are timed boundary to boundary: a unit's forward runs from its forward
 pre-hook to the next unit's, so code between modules (a residual add, a
@@ -27,6 +29,9 @@ one unit's inputs to the gradient of the previous unit's inputs.
 
 from .balancer import balance, trace
 from .cluster import Machine, Projection, TransformerShape, project
+from .cluster_search import ClusterCandidate, ClusterPlan, search_cluster
+from .layouts import Layout
+from .links import Link, Links, calibrate
 from .plan import Candidate, Plan, plan
 from .profiler import profile
 from .results import Balance, Profile, StageCost, UnitTransfer
@@ -36,6 +41,11 @@ __all__ = [
     "EXHAUSTIVE_LIMIT",
     "Balance",
     "Candidate",
+    "ClusterCandidate",
+    "ClusterPlan",
+    "Layout",
+    "Link",
+    "Links",
     "Machine",
     "Plan",
     "Profile",
@@ -44,10 +54,12 @@ __all__ = [
     "TransformerShape",
     "UnitTransfer",
     "balance",
+    "calibrate",
     "plan",
     "profile",
     "project",
     "search",
+    "search_cluster",
     "simulate",
     "trace",
 ]

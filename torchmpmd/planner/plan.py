@@ -1,131 +1,79 @@
-"""`mpmd.plan`: the schedule, stages per rank, split and number of
-microbatches with the shortest simulated step for a model on N ranks.
+"""`mpmd.plan`: the layout (pp x dp x tp over the devices, pure SPMD
+included), schedule, stages per rank, split and number of microbatches with
+the shortest simulated step for a model on N devices.
 
-The model is profiled once on one microbatch (`profile`, as `balance` does);
-every candidate is then weighed on the simulator alone: each built-in
-schedule (or the given ones), with one stage per rank or two where the
-schedule needs or allows them, at each number of microbatches the batch
-allows, is split by `search` (the best split for that schedule, within the
-memory limit). The fastest candidate is the plan; the others are kept,
-ranked, with why they lost.
+The model is profiled on one microbatch and on its first half of rows
+(`profile`, as `balance` does; `rows.RowCosts`: a fixed cost per call and a
+cost per row per unit), so a prediction holds at any microbatch size.
+Every candidate is then weighed on the simulator alone, for the same
+global batch (`batch_size` rows):
 
-With `batch_size` (rows of the global batch) and no `num_microbatches`,
-each count `m` that divides the batch and keeps at least one microbatch in
-flight per rank (`num_ranks <= m <= 4 * num_ranks * stages per rank`; under
-a memory limit up to one row per microbatch) is tried, the profile's times, activations and transfers scaled by the
-microbatch's rows over the example's (linear: a model whose cost per row
-falls with the batch, as small matmuls do on a GPU, gets more microbatches
-than it should). Under a memory limit each candidate is also weighed with
-the stages of rank 0 and with every stage recomputed, selectively (matmul,
-attention and convolution outputs kept, the rest recomputed in the backward:
-the profile times every unit that way too) or in full (R before each
-backward): `Plan.recompute`, for `RunnerOptions(recompute=...)`. When a
-weighed schedule splits its backward, the profile times each unit's I and W
-apart from its B (`split_profile`), so a zero-bubble schedule whose I + W
-costs more than the bubble it fills loses on the simulator. Not searched:
-a recompute set per rank beyond those two, or a mix of modes.
+- each layout (`layouts.Layout`): pp pipeline ranks from 1 (no pipeline:
+  DDP's, FSDP2's or tp's job) to the model's units, dp data-parallel
+  replicas, replicated or FSDP2-sharded, and tp tensor-parallel ranks
+  where the model has a tp plan (`tensor_costs`); each replica takes
+  `batch_size / dp` rows;
+- on each, each built-in schedule (or the given ones) with its own stages
+  per rank (pp = 1: one stage, 1F1B over the microbatches, i.e. gradient
+  accumulation), at each number of microbatches the replica's rows allow
+  (`num_ranks <= m <= 4 * stages`; under a memory limit down to one row
+  per microbatch), split by `search` (the best split for that schedule,
+  within the memory limit), its gradient reduction and FSDP gathers
+  simulated beside the schedule, priced by collectives calibrated on the
+  job's own process group (`links`);
+- under a memory limit also with the stages of rank 0 and with every stage
+  recomputed, selectively (matmul, attention and convolution outputs kept)
+  or in full: `Plan.recompute`, for `RunnerOptions(recompute=...)`.
+
+The fastest candidate is the plan (the simplest within `tolerance`); the
+others are kept, ranked, with why they lost. Without `batch_size` there is
+no global batch to divide over replicas: the pipeline over `num_ranks`
+ranks alone is weighed, per microbatch, as before. Without links (no
+process group to calibrate, none given) layouts with dp or tp are not
+weighed, and `Plan.notes` says so. Not searched: expert parallelism's ep
+(a layout the runner runs, not yet priced), a recompute set per rank
+beyond the two above, or a mix of modes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from ..graph.format import human_bytes, table
-from ..schedule import builtins
+from ..graph.inputs import example_inputs
 from ..schedule.task import Schedule
 from .balancer import on_rank_zero
+from .candidates import (
+    Candidate,
+    Plan,
+    nothing_fits,
+    per_batch,
+    simplicity,
+    why_not,
+)
+from .layouts import Layout, LinkPrices, StageCharges, layouts_of
 from .profiler import LossFn, profile
-from .results import Balance, Profile, _seconds
-from .splits import check_limits, search
+from .results import Balance
+from .rows import RowCosts, first_rows
+from .splits import check_limits
+from .tensor_costs import TensorShares, over_tp, probe, tp_fits
+from .weigh import (
+    batch_rows,
+    check_counts,
+    may_split_backward,
+    microbatch_counts,
+    policies,
+    schedule_classes,
+    stage_counts,
+    weigh,
+)
 
-__all__ = ["Candidate", "Plan", "plan"]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Candidate:
-    """One schedule, stage count and microbatch count the planner weighed."""
-
-    name: str  # the schedule, as built: "OneFOneB(8)"
-    schedule: Schedule | None  # None: it could not be built
-    num_stages: int
-    num_microbatches: int
-    split_before: list[str]
-    predicted_step_time: float  # seconds, simulated (inf: did not run)
-    predicted_peak_bytes: list[int]  # per rank, simulated activations
-    recompute: dict[int, str] = field(default_factory=dict)  # stage -> "full" / "selective"
-    rejected: str = ""  # why it is not the plan ("" for the plan)
-    measured_step_time: float | None = None  # seconds, median (`mpmd.refine`)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Plan:
-    """What `mpmd.plan` chose. Pass the pieces on as they are:
-
-    pipe = mpmd.trace(model, args, split_before=p.split_before)
-    runner = mpmd.PipelineRunner(pipe, p.schedule, ...)
-    """
-
-    schedule: Schedule
-    split_before: list[str]
-    num_microbatches: int
-    num_ranks: int
-    predicted_step_time: float
-    predicted_peak_bytes: list[int]
-    # RunnerOptions(recompute=...): stage -> "full" or "selective" ({}: none).
-    recompute: dict[int, str] = field(default_factory=dict)
-    alternatives: tuple[Candidate, ...] = ()  # the others, fastest first
-    seconds_planning: float = field(default=0.0, compare=False)
-    # Its measured median step (`mpmd.refine`; None: not measured).
-    measured_step_time: float | None = field(default=None, compare=False)
-    balance: Balance | None = field(default=None, repr=False, compare=False)
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.split_before) + 1
-
-    def __repr__(self) -> str:
-        measured = self.measured_step_time is not None
-        rows = [_row("plan", repr(self.schedule), self, measured, "")]
-        rows += [_row("", c.name, c, measured, c.rejected) for c in self.alternatives]
-        head = (
-            f"Plan: {self.schedule!r}, {self.num_stages} stages on {self.num_ranks} ranks, "
-            f"split_before={self.split_before} (planned in {self.seconds_planning:.1f} s)\n"
-        )
-        columns = ["", "schedule", "stages", "microbatches", "step"]
-        columns += ["measured"] if measured else []
-        columns += ["peak per rank", "recompute", "rejected"]
-        what = "candidates (simulated" + ("; measured by mpmd.refine):" if measured else "):")
-        return head + table(what, columns, rows)
-
-
-def _row(
-    label: str, name: str, c: Plan | Candidate, measured: bool, rejected: str
-) -> tuple[Any, ...]:
-    """One row of the table: the plan's or a candidate's."""
-    step = c.predicted_step_time
-    cells: list[Any] = [
-        label,
-        name,
-        c.num_stages,
-        c.num_microbatches,
-        _seconds(step) if step < float("inf") else "-",
-    ]
-    if measured:
-        m = c.measured_step_time
-        cells.append(_seconds(m) if m is not None else "")
-    cells += [
-        ", ".join(human_bytes(b) for b in c.predicted_peak_bytes),
-        _stages(c.recompute),
-        rejected,
-    ]
-    return tuple(cells)
+__all__ = ["Candidate", "Plan", "batch_rows", "plan"]
 
 
 def plan(
@@ -136,6 +84,11 @@ def plan(
     num_microbatches: int | None = None,
     batch_size: int | None = None,
     memory_limit: float | None = None,
+    device_memory: float | None = None,
+    layouts: Sequence[Layout | dict[str, Any]] | str | None = None,
+    tp_plan: dict[str, Any] | None = None,
+    links: LinkPrices | None = None,
+    optimizer_state: float = 2.0,
     loss_fn: LossFn | None = None,
     example_target: Any = None,
     example_kwargs: dict[str, Any] | None = None,
@@ -145,98 +98,329 @@ def plan(
     repeats: int = 5,
     tolerance: float = 0.03,
 ) -> Plan:
-    """The fastest schedule, stages per rank, split and number of
-    microbatches for `model` on `num_ranks` ranks, on the simulator (see the
-    module docstring). `example_args` is one microbatch. `schedules`: the
-    schedule classes to weigh (default every built-in). `memory_limit`:
-    bytes of activations per rank; a candidate whose every split exceeds it
-    is rejected, and if every one does, the error gives the smallest peak.
+    """The fastest layout, schedule, stages per rank, split and number of
+    microbatches for `model` on `num_ranks` devices, on the simulator (see
+    the module docstring). `example_args` is one microbatch; `batch_size`
+    the rows of the global batch every layout takes.
+
+    `layouts`: those to weigh (`mpmd.Layout`s or dicts such as
+    {"pp": 2, "dp": 2}), "pipeline" for pp = num_ranks alone, or None for
+    every layout of num_ranks devices (with batch_size; the pipeline alone
+    without). `tp_plan`: the tensor-parallel plan layouts with tp use (the
+    model's own by default; none: no tp). `links`: what collectives cost
+    (`mpmd.calibrate(group)`, or `mpmd.Links.from_machine(...)`); by
+    default calibrated on the default process group when there is one.
+
+    `memory_limit`: bytes of activations per rank; `device_memory`: bytes
+    per device in all (activations, parameters, gradients and
+    `optimizer_state` values per parameter, AdamW's two moments by
+    default, sharded as the layout shards them). A candidate whose every
+    split exceeds it is rejected, and if every one does, the error gives
+    the smallest peak. `schedules`: the schedule classes to weigh (default
+    every built-in). `bandwidth`/`latency` price the pipeline's sends
+    (default: the links' point-to-point, else free).
 
     `tolerance`: candidates predicted within this fraction of the fastest
-    are taken as equal (the simulator's prediction of a measured step is
-    good to a few percent, and a schedule with more stages or a split
-    backward pays per-task costs a profile does not see), and the simplest
-    of them is the plan: the fewest stages, then no split backward, then the
-    least recompute, then the smallest peak. 0: the fastest prediction wins.
+    are taken as equal, and the simplest of them is the plan: the fewest
+    stages, then no tp, then replicated over FSDP, then no split backward,
+    then the least recompute, then the smallest peak. 0: the fastest
+    prediction wins.
 
     Under torch.distributed (initialised, several processes), call it on
-    every rank: rank 0 profiles and searches, every rank gets its plan.
+    every rank: the links are calibrated on every rank, rank 0 profiles and
+    searches, and every rank gets its plan.
     """
     if not isinstance(num_ranks, int) or isinstance(num_ranks, bool) or num_ranks < 1:
         raise ValueError(f"mpmd.plan: num_ranks must be a positive int, got {num_ranks!r}")
     check_limits(memory_limit, bandwidth, latency)
+    if memory_limit is not None and device_memory is not None:
+        raise ValueError(
+            "mpmd.plan: give memory_limit (activations per rank) or device_memory (all a "
+            "device holds), not both"
+        )
+    if device_memory is not None:
+        check_limits(device_memory, 0.0, 0.0)
+    if not isinstance(optimizer_state, int | float) or optimizer_state < 0:
+        raise ValueError(
+            f"mpmd.plan: optimizer_state is values per parameter (AdamW: 2, SGD: 0), got "
+            f"{optimizer_state!r}"
+        )
     if not isinstance(tolerance, int | float) or not 0 <= tolerance < 1:
         raise ValueError(f"mpmd.plan: tolerance must be in [0, 1), got {tolerance!r}")
     _check_loss(loss_fn, example_target)
-    classes = _classes(schedules)
-    counts = _counts(num_microbatches, batch_size, num_ranks, memory_limit is not None)
+    classes = schedule_classes(schedules)
+    check_counts(num_microbatches, batch_size)
+    wanted = _layouts(layouts, num_ranks, batch_size)
+    notes: list[str] = []
+    if links is None and (wanted is None or any(w.dp * w.tp > 1 for w in wanted)):
+        links = _calibrated(num_ranks, notes)
+    if bandwidth == latency == 0.0 and links is not None:
+        send = getattr(links, "send", None)
+        bandwidth = float(getattr(send, "bandwidth", 0.0) or 0.0)
+        latency = float(getattr(send, "latency", 0.0) or 0.0)
+        if bandwidth == float("inf"):
+            bandwidth = 0.0
+    limit = device_memory if device_memory is not None else memory_limit
+    search_args = _Search(
+        classes=classes,
+        num_microbatches=num_microbatches,
+        batch_size=batch_size,
+        limits=(limit, bandwidth, latency),
+        links=links,
+        optimizer_state=float(optimizer_state),
+        counted=device_memory is not None,
+    )
 
     def run() -> Plan:
         start = time.perf_counter()
-        prof = profile(
+        costs, shares = _profiles(
             model,
             example_args,
             example_kwargs,
+            num_ranks=num_ranks,
+            repeats=repeats,
+            loss=(loss_fn, example_target),
+            split=any(may_split_backward(cls) for cls in classes),
+            selective=limit is not None,
+            tp=(wanted is None or any(w.tp > 1 for w in wanted), tp_plan),
+            halve=batch_size is not None,
+        )
+        candidates = wanted
+        if candidates is None:
+            candidates = _every_layout(num_ranks, len(costs.full.units), shares, links, notes)
+        found: list[tuple[Candidate, Balance | None]] = []
+        for layout in candidates:
+            found += search_args.layout(layout, costs, shares)
+        return _chosen(found, search_args, num_ranks, tolerance, notes, start)
+
+    return on_rank_zero(run)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Search:
+    """What every layout's candidates are weighed with."""
+
+    classes: list[type[Schedule]]
+    num_microbatches: int | None
+    batch_size: int | None
+    limits: tuple[float | None, float, float]
+    links: LinkPrices | None
+    optimizer_state: float
+    counted: bool
+
+    def layout(
+        self, layout: Layout, costs: RowCosts, shares: TensorShares | None
+    ) -> list[tuple[Candidate, Balance | None]]:
+        """Every schedule, stage count, microbatch count and recompute
+        policy on `layout`, each at its best split."""
+        replica = self.batch_size // layout.dp if self.batch_size else None
+        why = _refused(layout, self.batch_size, shares)
+        if why:
+            cls = self.classes[0]
+            return [(_refusal(cls, layout, why), None)]
+        charges = None
+        if self.batch_size is not None and (layout.dp > 1 or self.counted):
+            charges = StageCharges(layout, self.links, self.optimizer_state, self.counted)
+        out = []
+        for cls in self._classes(layout):
+            for stages in stage_counts(cls, layout.pp):
+                capped = self.limits[0] is not None
+                counts = microbatch_counts(
+                    self.num_microbatches, replica, layout.pp, capped, stages
+                )
+                for m in counts:
+                    rows = replica / m if replica else costs.rows
+                    prof = costs.at(rows)
+                    if shares is not None and layout.tp > 1:
+                        prof = over_tp(prof, shares, layout.tp, self.links, rows)
+                    for policy in policies(cls, stages, m, layout.pp, self.limits[0], prof):
+                        out.append(
+                            weigh(cls, stages, m, layout, prof, policy, self.limits, charges)
+                        )
+        return out
+
+    def _classes(self, layout: Layout) -> list[type[Schedule]]:
+        """pp = 1: one stage, the first single-stage class (1F1B by default:
+        gradient accumulation holding one microbatch's activations)."""
+        if layout.pp > 1:
+            return self.classes
+        single = [c for c in self.classes if c.stages_per_rank == 1]
+        return single[:1]
+
+
+def _refused(layout: Layout, batch_size: int | None, shares: TensorShares | None) -> str:
+    if batch_size is not None and batch_size % layout.dp:
+        return f"batch_size={batch_size} does not divide over dp={layout.dp}"
+    if layout.tp > 1:
+        if shares is None:
+            return "the model has no tensor-parallel plan (pass tp_plan=...)"
+        return tp_fits(shares, layout.tp)
+    return ""
+
+
+def _refusal(cls: type[Schedule], layout: Layout, why: str) -> Candidate:
+    return Candidate(
+        name=f"{cls.__name__}(-)",
+        schedule=None,
+        num_stages=layout.pp,
+        num_microbatches=0,
+        split_before=[],
+        predicted_step_time=float("inf"),
+        predicted_peak_bytes=[],
+        rejected=why,
+        layout=layout,
+    )
+
+
+def _layouts(value: Any, num_ranks: int, batch_size: int | None) -> list[Layout] | None:
+    """The layouts asked for (None: every one of num_ranks devices)."""
+    if value is None:
+        return None if batch_size is not None else [Layout(pp=num_ranks)]
+    if value == "pipeline":
+        return [Layout(pp=num_ranks)]
+    if isinstance(value, str | Layout | dict):
+        raise TypeError(
+            f"mpmd.plan: layouts is a list of mpmd.Layout (or dicts), 'pipeline', or None; got "
+            f"{value!r}; write layouts=[{value!r}]"
+        )
+    out = [Layout.of(v) for v in value]
+    for w in out:
+        if w.num_devices != num_ranks:
+            raise ValueError(
+                f"mpmd.plan: layout {w} takes {w.num_devices} devices but num_ranks={num_ranks}; "
+                "pp x dp x tp must be the number of devices"
+            )
+        if w.dp > 1 and batch_size is None:
+            raise ValueError(
+                f"mpmd.plan: layout {w} splits the global batch over dp={w.dp} replicas; pass "
+                "batch_size=... (rows of the global batch)"
+            )
+    if not out:
+        raise ValueError("mpmd.plan: layouts is empty; leave it out to weigh every layout")
+    return out
+
+
+def _every_layout(
+    num_ranks: int,
+    units: int,
+    shares: TensorShares | None,
+    links: LinkPrices | None,
+    notes: list[str],
+) -> list[Layout]:
+    if links is None:
+        return [Layout(pp=num_ranks)]
+    tps = [1] + [t for t in range(2, num_ranks + 1) if shares is not None and num_ranks % t == 0]
+    if shares is None and num_ranks > 1:
+        notes.append(
+            "tp not weighed: the model has no tensor-parallel plan of its own (pass tp_plan=...)"
+        )
+    return layouts_of(num_ranks, max_pp=units, tp_sizes=tps)
+
+
+def _calibrated(num_ranks: int, notes: list[str]) -> LinkPrices | None:
+    """The default process group's links, calibrated on every rank; None
+    (and a note) without one."""
+    if num_ranks == 1:
+        return None
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() == num_ranks:
+        from .links import calibrate
+
+        return calibrate()
+    notes.append(
+        "collectives not priced (no process group of num_ranks ranks to calibrate, no links "
+        "given): layouts with dp or tp not weighed; call it under torchrun on every rank, or "
+        "pass links=mpmd.Links.from_machine(...)"
+    )
+    return None
+
+
+def _profiles(
+    model: torch.nn.Module,
+    example_args: Any,
+    example_kwargs: dict[str, Any] | None,
+    *,
+    num_ranks: int,
+    repeats: int,
+    loss: tuple[LossFn | None, Any],
+    split: bool,
+    selective: bool,
+    tp: tuple[bool, dict[str, Any] | None],
+    halve: bool,
+) -> tuple[RowCosts, TensorShares | None]:
+    """The profile on the example and, to learn each unit's fixed cost, on
+    its first half of rows; the tp shares where tp is weighed."""
+    loss_fn, target = loss
+
+    def measured(args: Any, kwargs: Any, target: Any) -> Any:
+        return profile(
+            model,
+            args,
+            kwargs,
             min_units=2 * num_ranks,
             repeats=repeats,
             loss_fn=loss_fn,
-            example_target=example_target,
-            split_backward=any(_may_split_backward(cls) for cls in classes),
-            selective=memory_limit is not None,
+            example_target=target,
+            split_backward=split,
+            selective=selective,
             traceable=True,
             caller="mpmd.plan",
         )
-        rows = batch_rows(example_args, example_kwargs)
-        found: list[tuple[Candidate, Balance | None]] = []
-        for cls in classes:
-            for stages in _stage_counts(cls, num_ranks):
-                for m in counts(stages):
-                    scaled = _scaled(prof, batch_size / m / rows if batch_size and rows else 1.0)
-                    for recompute in _policies(cls, stages, m, num_ranks, memory_limit, scaled):
-                        found.append(
-                            _weigh(
-                                cls,
-                                stages,
-                                m,
-                                num_ranks,
-                                scaled,
-                                recompute,
-                                (memory_limit, bandwidth, latency),
-                            )
-                        )
-        ran = sorted(
-            (c for c in found if c[1] is not None),
-            key=lambda c: _per_row(c[0], batch_size),
-        )
-        if not ran:
-            raise ValueError(_nothing_fits(found, memory_limit))
-        fastest = _per_row(ran[0][0], batch_size)
-        # Within `tolerance` of the fastest, the simulator cannot tell them
-        # apart: the simplest wins (fewest stages, no split backward, least
-        # recompute, smallest peak).
-        close = [c for c in ran if _per_row(c[0], batch_size) <= fastest * (1 + tolerance)]
-        best, balance = min(close, key=lambda c: _simplicity(c[0]))
-        assert balance is not None and best.schedule is not None
-        ranked = [c for c, _ in ran if c is not best]
-        slower = [
-            dataclasses.replace(c, rejected=_why_not(c, best, batch_size, tolerance))
-            for c in ranked
-        ]
-        others = slower + [c for c, b in found if b is None]
-        return Plan(
-            schedule=best.schedule,
-            split_before=best.split_before,
-            num_microbatches=best.num_microbatches,
-            num_ranks=num_ranks,
-            recompute=best.recompute,
-            predicted_step_time=best.predicted_step_time,
-            predicted_peak_bytes=best.predicted_peak_bytes,
-            alternatives=tuple(others),
-            seconds_planning=time.perf_counter() - start,
-            balance=balance,
-        )
 
-    return on_rank_zero(run)
+    full = measured(example_args, example_kwargs, target)
+    rows = batch_rows(example_args, example_kwargs)
+    costs = RowCosts(full, max(rows, 1))
+    if halve and rows >= 2:
+        half = rows // 2
+        cut = first_rows((example_args, example_kwargs, target), rows, half)
+        costs = RowCosts(full, rows, measured(*cut), half)
+    shares = None
+    if tp[0] and num_ranks > 1:
+        args, kwargs = example_inputs("mpmd.plan", example_args, example_kwargs)
+        shares = probe(model, args, kwargs, full.units, tp[1], max(rows, 1))
+    return costs, shares
+
+
+def _chosen(
+    found: list[tuple[Candidate, Balance | None]],
+    search: _Search,
+    num_ranks: int,
+    tolerance: float,
+    notes: list[str],
+    start: float,
+) -> Plan:
+    batch_size = search.batch_size
+    ran = sorted((c for c in found if c[1] is not None), key=lambda c: per_batch(c[0], batch_size))
+    if not ran:
+        what = "device_memory" if search.counted else "memory_limit"
+        raise ValueError(nothing_fits([c for c, _ in found], search.limits[0], what))
+    fastest = per_batch(ran[0][0], batch_size)
+    # Within `tolerance` of the fastest, the simulator cannot tell them
+    # apart: the simplest wins.
+    close = [c for c in ran if per_batch(c[0], batch_size) <= fastest * (1 + tolerance)]
+    best, balance = min(close, key=lambda c: simplicity(c[0]))
+    assert balance is not None and best.schedule is not None
+    slower = [
+        dataclasses.replace(c, rejected=why_not(c, best, batch_size, tolerance))
+        for c, _ in ran
+        if c is not best
+    ]
+    pipeline_only = all(c.layout is not None and c.layout == Layout(pp=num_ranks) for c, _ in found)
+    return Plan(
+        schedule=best.schedule,
+        split_before=best.split_before,
+        num_microbatches=best.num_microbatches,
+        num_ranks=num_ranks,
+        recompute=best.recompute,
+        predicted_step_time=best.predicted_step_time,
+        predicted_peak_bytes=best.predicted_peak_bytes,
+        alternatives=tuple(slower + [c for c, b in found if b is None]),
+        seconds_planning=time.perf_counter() - start,
+        balance=balance,
+        layout=None if pipeline_only else best.layout,
+        batch_size=batch_size,
+        state_bytes=best.state_bytes,
+        notes=tuple(notes),
+    )
 
 
 def _check_loss(loss_fn: Any, example_target: Any) -> None:
@@ -254,284 +438,3 @@ def _check_loss(loss_fn: Any, example_target: Any) -> None:
             "PipelineRunner's loss_fn too (e.g. loss_fn=F.cross_entropy), or leave "
             "example_target out"
         )
-
-
-def _classes(schedules: Any) -> list[type[Schedule]]:
-    if schedules is None:
-        return [getattr(builtins, name) for name in _BUILTIN_ORDER]
-    if isinstance(schedules, type | str | Schedule) or not isinstance(schedules, Iterable):
-        given = f"{schedules!r}"
-        if isinstance(schedules, type):
-            given = f"the class {schedules.__name__}; write schedules=[{schedules.__name__}]"
-        elif isinstance(schedules, Schedule):
-            given += f"; write schedules=[{type(schedules).__name__}]"
-        raise TypeError(
-            "mpmd.plan: schedules must be a list of Schedule classes (the planner chooses the "
-            f"number of microbatches), e.g. [mpmd.schedules.OneFOneB]; got {given}"
-        )
-    out = []
-    for i, s in enumerate(schedules):
-        if not (isinstance(s, type) and issubclass(s, Schedule)):
-            hint = f"; pass its class {type(s).__name__}" if isinstance(s, Schedule) else ""
-            raise TypeError(
-                f"mpmd.plan: schedules must be Schedule classes (the planner chooses the number "
-                f"of microbatches), e.g. [mpmd.schedules.OneFOneB]; schedules[{i}] is "
-                f"{s!r}{hint}"
-            )
-        out.append(s)
-    if not out:
-        raise ValueError("mpmd.plan: schedules is empty; leave it out to weigh every built-in")
-    return out
-
-
-_BUILTIN_ORDER = (
-    "OneFOneB",
-    "GPipe",
-    "Eager1F1B",
-    "ZeroBubbleH1",
-    "Interleaved1F1B",
-    "ZBV",
-    "DualPipeV",
-)
-
-
-def _may_split_backward(cls: type[Schedule]) -> bool:
-    """Whether a schedule of class `cls` runs I and W tasks (on 2 ranks, 4
-    microbatches; True where that cannot tell)."""
-    try:
-        return cls(4).splits_backward(_stage_counts(cls, 2)[0], 2)
-    except (TypeError, ValueError):
-        return True  # cannot tell: measure
-
-
-def _stage_counts(cls: type[Schedule], num_ranks: int) -> list[int]:
-    """The stage counts `cls` is weighed with: its own stages per rank."""
-    per_rank = cls.stages_per_rank
-    if not isinstance(per_rank, int) or isinstance(per_rank, bool) or per_rank < 1:
-        raise TypeError(
-            f"mpmd.plan: {cls.__name__}.stages_per_rank is {per_rank!r}; a schedule says how "
-            "many stages it places on each rank as a positive int (1, or 2 for a V-shaped or "
-            "interleaved schedule)"
-        )
-    return [per_rank * num_ranks]
-
-
-def _counts(
-    num_microbatches: int | None, batch_size: int | None, num_ranks: int, capped: bool
-) -> Any:
-    """stages -> the microbatch counts to try: those that divide the batch,
-    from one per rank up to 4 per stage, or, under a memory limit, up to
-    one row per microbatch (smaller microbatches hold fewer activations)."""
-    if num_microbatches is not None:
-        if not isinstance(num_microbatches, int) or num_microbatches < 1:
-            raise ValueError(
-                f"mpmd.plan: num_microbatches must be a positive int, got {num_microbatches!r}"
-            )
-        if batch_size is not None and batch_size % num_microbatches:
-            raise ValueError(
-                f"mpmd.plan: batch_size={batch_size} does not divide into "
-                f"num_microbatches={num_microbatches}"
-            )
-        return lambda stages: [num_microbatches]
-    if batch_size is None:
-        return lambda stages: [2 * stages]
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"mpmd.plan: batch_size must be a positive int, got {batch_size!r}")
-
-    def counts(stages: int) -> list[int]:
-        top = batch_size if capped else 4 * stages
-        found = [m for m in range(num_ranks, top + 1) if batch_size % m == 0]
-        return found or [batch_size]
-
-    return counts
-
-
-def batch_rows(args: Any, kwargs: dict[str, Any] | None = None) -> int:
-    """Rows (dim 0) of the first tensor of a batch's arguments (0: none)."""
-    leaves = [*(args if isinstance(args, tuple) else (args,)), *(kwargs or {}).values()]
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return int(leaf.shape[0])
-    return 0
-
-
-def _scaled(prof: Profile, factor: float) -> Profile:
-    if factor == 1.0:
-        return prof
-    return dataclasses.replace(
-        prof,
-        forward=tuple(f * factor for f in prof.forward),
-        backward=tuple(b * factor for b in prof.backward),
-        activation_bytes=tuple(round(a * factor) for a in prof.activation_bytes),
-        input_grad=None if prof.input_grad is None else tuple(i * factor for i in prof.input_grad),
-        weight_grad=None
-        if prof.weight_grad is None
-        else tuple(w * factor for w in prof.weight_grad),
-        transfers=tuple(
-            dataclasses.replace(t, bytes=round(t.bytes * factor)) for t in prof.transfers
-        ),
-        selective=None if prof.selective is None else _scaled(prof.selective, factor),
-    )
-
-
-def _policies(
-    cls: type[Schedule],
-    stages: int,
-    m: int,
-    num_ranks: int,
-    memory_limit: float | None,
-    prof: Profile,
-) -> list[dict[int, str]]:
-    """The recompute policies weighed (stage -> "selective" | "full"): none;
-    under a memory limit also the stages of rank 0 (which holds the most
-    microbatches in flight in 1F1B-like schedules) and every stage, each
-    recomputed selectively (when the profile has its costs) or in full."""
-    if memory_limit is None:
-        return [{}]
-    try:
-        placement = cls(m).placement(stages, num_ranks)
-    except (TypeError, ValueError):
-        return [{}]
-    first = [s for s in range(stages) if placement[s] == 0]
-    every = list(range(stages))
-    modes = ["selective", "full"] if prof.selective is not None else ["full"]
-    found: list[dict[int, str]] = [{}]
-    for mode in modes:
-        for chosen in (first, every):
-            policy = dict.fromkeys(chosen, mode)
-            if policy not in found:
-                found.append(policy)
-    return found
-
-
-def _weigh(
-    cls: type[Schedule],
-    stages: int,
-    m: int,
-    num_ranks: int,
-    prof: Profile,
-    policy: dict[int, str],
-    limits: tuple[float | None, float, float],
-) -> tuple[Candidate, Balance | None]:
-    """The best split of `prof` for `cls(m)` on `stages` stages, recomputing
-    as `policy` says (stage -> "full": R tasks; "selective": its costs), or
-    why none runs."""
-    memory_limit, bandwidth, latency = limits
-    full = frozenset(s for s, mode in policy.items() if mode == "full")
-    try:
-        schedule = cls(m)
-        simulated = schedule.with_recompute(full) if full else schedule
-    except (TypeError, ValueError) as err:
-        return _failed(cls, stages, m, f"{cls.__name__}({m}): {err}", policy), None
-    if stages > len(prof.units):
-        return _failed(cls, stages, m, f"the model has {len(prof.units)} units", policy), None
-    try:
-        found = search(
-            prof,
-            stages,
-            schedule=simulated,
-            num_ranks=num_ranks,
-            memory_limit=memory_limit,
-            bandwidth=bandwidth,
-            latency=latency,
-            selective=[s for s, mode in policy.items() if mode == "selective"],
-        )
-    except ValueError as err:
-        text = str(err).removeprefix("mpmd.balance: ")
-        peak = re.search(r"peak is [^(]*\((\d+) bytes, rank (\d+)", text)
-        if peak is None:
-            return _failed(cls, stages, m, text.split("; ")[0], policy), None
-        failed = _failed(
-            cls,
-            stages,
-            m,
-            f"its smallest peak is {human_bytes(int(peak[1]))} (rank {peak[2]})",
-            policy,
-        )
-        return dataclasses.replace(failed, predicted_peak_bytes=[int(peak[1])]), None
-    return (
-        Candidate(
-            name=repr(schedule),
-            schedule=schedule,
-            num_stages=stages,
-            num_microbatches=m,
-            split_before=found.split_before,
-            predicted_step_time=found.predicted_step,
-            predicted_peak_bytes=list(found.peak_activation_bytes),
-            recompute=policy,
-        ),
-        found,
-    )
-
-
-def _failed(
-    cls: type[Schedule], stages: int, m: int, why: str, recompute: dict[int, str]
-) -> Candidate:
-    return Candidate(
-        name=f"{cls.__name__}({m})",
-        schedule=None,
-        num_stages=stages,
-        num_microbatches=m,
-        split_before=[],
-        predicted_step_time=float("inf"),
-        predicted_peak_bytes=[],
-        recompute=recompute,
-        rejected=why,
-    )
-
-
-def _simplicity(c: Candidate) -> tuple[int, bool, int, int, float]:
-    assert c.schedule is not None
-    split = _may_split_backward(type(c.schedule))
-    return (
-        c.num_stages,
-        split,
-        sum(2 if mode == "full" else 1 for mode in c.recompute.values()),
-        max(c.predicted_peak_bytes),
-        c.predicted_step_time,
-    )
-
-
-def _why_not(c: Candidate, best: Candidate, batch_size: int | None, tolerance: float) -> str:
-    ratio = _per_row(c, batch_size) / max(_per_row(best, batch_size), 1e-30)
-    if ratio > 1 + tolerance:
-        return f"{ratio:.3f}x slower"
-    return f"{ratio:.3f}x, within tolerance: the plan is simpler"
-
-
-def _stages(recompute: dict[int, str]) -> str:
-    """'full 0, 1; selective 2' ('-': none)."""
-    modes = sorted(set(recompute.values()))
-    return (
-        "; ".join(
-            f"{mode} " + ", ".join(str(s) for s in sorted(recompute) if recompute[s] == mode)
-            for mode in modes
-        )
-        or "-"
-    )
-
-
-def _per_row(c: Candidate, batch_size: int | None) -> float:
-    """A candidate's step time per global batch (the same batch for all when
-    `batch_size` is given; else per microbatch, so that counts compare)."""
-    if batch_size:
-        return c.predicted_step_time
-    return c.predicted_step_time / c.num_microbatches
-
-
-def _nothing_fits(found: list[tuple[Candidate, Balance | None]], limit: float | None) -> str:
-    what = f" within memory_limit={human_bytes(limit)}" if limit is not None else ""
-    peaks = [c for c, _ in found if c.predicted_peak_bytes]
-    if peaks:
-        low = min(peaks, key=lambda c: max(c.predicted_peak_bytes))
-        recompute = f", recomputing {_stages(low.recompute)}" if low.recompute else ""
-        return (
-            f"mpmd.plan: no candidate runs{what}; the smallest simulated peak found is "
-            f"{human_bytes(max(low.predicted_peak_bytes))} per rank ({low.name} on "
-            f"{low.num_stages} stages{recompute}); raise memory_limit to at least that, or "
-            "plan for more ranks or smaller microbatches (batch_size with more microbatches)"
-        )
-    reasons = "; ".join(
-        dict.fromkeys(f"{c.name} on {c.num_stages} stages: {c.rejected}" for c, _ in found)
-    )
-    return f"mpmd.plan: no candidate runs{what}: {reasons}"

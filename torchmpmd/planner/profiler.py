@@ -4,6 +4,7 @@ the activation bytes autograd saves, and what crosses between units."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import re
 import statistics
@@ -300,6 +301,7 @@ def profile(
             out[owner[k]] += v
         return out
 
+    held = _parameter_bytes(model, kept, None if traced is None else traced[3])
     if graph_times is None:
         return Profile(
             units=tuple(kept),
@@ -308,10 +310,35 @@ def profile(
             activation_bytes=tuple(int(v) for v in merged(activation)),
             transfers=transfers,
             tied=tied,
+            parameter_bytes=held,
         )
     # Every time and activation from the traced unit-stages, as the
     # runtime runs them.
-    return _from_stages(kept, graph_times, transfers, tied, selective_times)
+    found = _from_stages(kept, graph_times, transfers, tied, selective_times)
+    return dataclasses.replace(found, parameter_bytes=held)
+
+
+def _parameter_bytes(
+    model: torch.nn.Module, units: Sequence[str], pipe: Pipe | None
+) -> tuple[int, ...]:
+    """The bytes of the parameters each unit holds: its stage's in the pipe
+    cut at every unit (a tied parameter in each stage that uses it, as the
+    runtime places it); untraced, its module's, and those of no unit with
+    the first."""
+    if pipe is not None and pipe.num_stages == len(units):
+        return tuple(
+            sum(p.numel() * p.element_size() for p in pipe.stage(i).parameters())
+            for i in range(pipe.num_stages)
+        )
+    held = [0] * len(units)
+    for name, p in model.named_parameters():
+        owner = max(
+            (k for k, u in enumerate(units) if u == "" or name.startswith(u + ".")),
+            default=0,
+            key=lambda k: len(units[k]),
+        )
+        held[owner] += p.numel() * p.element_size()
+    return tuple(held)
 
 
 def _from_stages(

@@ -49,6 +49,9 @@ class Profile:
     # forward, backward (recomputing what is not kept), I, W and the bytes
     # kept. Its transfers are the same as this profile's.
     selective: Profile | None = None
+    # Bytes of the parameters each unit holds (a stage holds its units';
+    # gradients and optimizer states follow them). None: not known.
+    parameter_bytes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.units)
@@ -58,7 +61,14 @@ class Profile:
             raise ValueError("Profile.selective must profile the same units")
         if (self.input_grad is None) != (self.weight_grad is None):
             raise ValueError("Profile: give input_grad and weight_grad together, or neither")
-        for name in ("forward", "backward", "activation_bytes", "input_grad", "weight_grad"):
+        for name in (
+            "forward",
+            "backward",
+            "activation_bytes",
+            "input_grad",
+            "weight_grad",
+            "parameter_bytes",
+        ):
             values = getattr(self, name)
             if values is None:
                 continue

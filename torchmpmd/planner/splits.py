@@ -10,15 +10,18 @@ import itertools
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..graph.format import human_bytes
 from ..schedule.builtins import OneFOneB
 from ..schedule.costs import Costs
-from ..schedule.program import Edge, Lowering, Prediction, StageGraph
+from ..schedule.program import Edge, Lowering, Prediction, StageCollectives, StageGraph
 from ..schedule.task import Schedule
 from ..schedule.timeline import Timeline
 from .results import Balance, Profile, StageCost
+
+if TYPE_CHECKING:
+    from .layouts import StageCharges
 
 __all__ = [
     "EXHAUSTIVE_LIMIT",
@@ -52,6 +55,7 @@ class _Sums:
         self.f = [0.0, *itertools.accumulate(profile.forward)]
         self.b = [0.0, *itertools.accumulate(profile.backward)]
         self.a = [0, *itertools.accumulate(profile.activation_bytes)]
+        self.p = [0, *itertools.accumulate(profile.parameter_bytes or ())]
         self.i = [0.0, *itertools.accumulate(profile.input_grad or ())]
         self.w = [0.0, *itertools.accumulate(profile.weight_grad or ())]
 
@@ -68,8 +72,11 @@ class _Simulator:
         bandwidth: float,
         latency: float,
         selective: frozenset[int] = frozenset(),
+        charges: StageCharges | None = None,
     ) -> None:
         self.profile = profile
+        self.charges = charges
+        self.placement = lowering.schedule.placement(lowering.num_stages, lowering.num_ranks)
         self.n = lowering.num_stages
         self.lowering = lowering
         self.bandwidth = bandwidth
@@ -80,6 +87,7 @@ class _Simulator:
         plain = _Sums(profile)
         chosen = _Sums(profile.selective) if selective and profile.selective else plain
         self._sums = [chosen if k in selective else plain for k in range(self.n)]
+        self._plain = plain
         self._split = profile.input_grad is not None
 
     def _spans(self, starts: tuple[int, ...]) -> list[tuple[_Sums, int, int]]:
@@ -104,10 +112,32 @@ class _Simulator:
         i[0] = 0.0
         return i, w
 
+    def parameters(self, starts: tuple[int, ...]) -> list[int]:
+        """Per stage, the bytes of its parameters (as the profile holds them)."""
+        bounds = [*starts, len(self.profile.units)]
+        p = self._plain.p
+        return [p[e] - p[s] if len(p) > 1 else 0 for s, e in itertools.pairwise(bounds)]
+
+    def held(self, starts: tuple[int, ...]) -> list[int]:
+        """Per rank, what its stages' state holds besides activations
+        (parameters, gradients, optimizer states, as `charges` says)."""
+        out = [0] * self.lowering.num_ranks
+        if self.charges is not None and self.charges.counted:
+            for s, nbytes in enumerate(self.parameters(starts)):
+                out[self.placement[s]] += self.charges.held(nbytes)
+        return out
+
     def costs(self, starts: tuple[int, ...]) -> Costs:
         stages = self.stages(starts)
         split = self.split_backward(starts)
+        data: dict[str, Any] = {}
+        if self.charges is not None:
+            params = self.parameters(starts)
+            data["reduce_grads"] = [self.charges.reduce(p) for p in params]
+            if self.charges.fsdp:
+                data["unshard"] = [self.charges.gather(p) for p in params]
         return Costs(
+            **data,
             forward=[f for f, _, _ in stages],
             backward=[b for _, b, _ in stages],
             input_grad=split[0] if split else None,
@@ -141,9 +171,11 @@ class _Simulator:
             graph, crossing = self.graph(starts)
             costs = self.costs(starts)
             predicted: Prediction = self.lowering.compile(graph, costs).predict(costs)
-            found = _Eval(
-                starts, predicted.step_time, tuple(predicted.peak_activation_bytes), crossing
+            peak = tuple(
+                a + h
+                for a, h in zip(predicted.peak_activation_bytes, self.held(starts), strict=True)
             )
+            found = _Eval(starts, predicted.step_time, peak, crossing)
             self.cache[starts] = found
         return found
 
@@ -217,7 +249,12 @@ def check_num_stages(num_stages: Any) -> int:
     return num_stages
 
 
-def resolve_schedule(schedule: Any, num_stages: int, num_ranks: Any) -> tuple[Schedule, Lowering]:
+def resolve_schedule(
+    schedule: Any,
+    num_stages: int,
+    num_ranks: Any,
+    collectives: StageCollectives | None = None,
+) -> tuple[Schedule, Lowering]:
     """The schedule (default 1F1B over 2 x num_stages microbatches) and number of
     ranks (default num_stages over the schedule's own stages per rank),
     checked by lowering it once for a chain of stages."""
@@ -247,7 +284,7 @@ def resolve_schedule(schedule: Any, num_stages: int, num_ranks: Any) -> tuple[Sc
     errors: list[ValueError] = []
     for ranks in tries:
         try:
-            lowering = Lowering(schedule, num_stages, ranks)
+            lowering = Lowering(schedule, num_stages, ranks, collectives=collectives)
             lowering.compile(num_stages)
             return schedule, lowering
         except ValueError as err:
@@ -285,6 +322,7 @@ def search(
     bandwidth: float = 0.0,
     latency: float = 0.0,
     selective: Collection[int] = (),
+    charges: StageCharges | None = None,
 ) -> Balance:
     """The split of `profile`'s units into `num_stages` stages with the shortest
     simulated step under `schedule` on `num_ranks` ranks.
@@ -296,10 +334,17 @@ def search(
     activation bytes stay within it on every rank. `bandwidth` (bytes per
     second, 0: free) and `latency` (seconds per message) price transfers.
     The stages in `selective` are priced under selective recompute
-    (`profile.selective`'s costs).
+    (`profile.selective`'s costs). With `charges` (a data- or
+    tensor-parallel layout's, `layouts.StageCharges`), each stage's gradient
+    reduction (and FSDP gather) is simulated beside the schedule, and the
+    peaks (and `memory_limit`) count each rank's parameters, gradients and
+    optimizer states on top of its activations.
     """
     num_stages = check_num_stages(num_stages)
-    schedule, lowering = resolve_schedule(schedule, num_stages, num_ranks)
+    collectives = (
+        StageCollectives(unshard=charges.fsdp, reduce_grads=True) if charges is not None else None
+    )
+    schedule, lowering = resolve_schedule(schedule, num_stages, num_ranks, collectives)
     check_limits(memory_limit, bandwidth, latency)
     units = len(profile.units)
     if num_stages > units:
@@ -310,7 +355,7 @@ def search(
             "mpmd.trace(..., split_before=[...]) or mpmd.mark_stage_end"
         )
     chosen = _selective(profile, selective, num_stages)
-    sim = _Simulator(profile, lowering, float(bandwidth), float(latency), chosen)
+    sim = _Simulator(profile, lowering, float(bandwidth), float(latency), chosen, charges)
     limit = float(memory_limit) if memory_limit is not None else None
     even = _even_starts(units, num_stages)
     if math.comb(units - 1, num_stages - 1) <= EXHAUSTIVE_LIMIT:
@@ -328,9 +373,10 @@ def search(
     if limit is not None and max(best.peak) > limit:
         rank = best.peak.index(max(best.peak))
         smallest = "smallest" if method == "exhaustive" else "smallest found"
+        what = "activation memory" if charges is None else "memory (activations and state)"
         raise ValueError(
             f"mpmd.balance: no split into {num_stages} stages keeps the simulated peak "
-            f"activation memory of every rank within memory_limit={human_bytes(limit)}; the "
+            f"{what} of every rank within memory_limit={human_bytes(limit)}; the "
             f"{smallest} peak is {human_bytes(max(best.peak))} ({max(best.peak)} bytes, rank "
             f"{rank}, split_before={_names(profile, best.starts)}); raise memory_limit, use "
             "more stages or ranks, fewer microbatches in flight (OneFOneB rather than GPipe), "
@@ -371,6 +417,7 @@ def simulate(
     bandwidth: float = 0.0,
     latency: float = 0.0,
     selective: Collection[int] = (),
+    charges: StageCharges | None = None,
 ) -> Timeline:
     """The simulated step of one split of `profile` (units named as in
     `split_before`), priced as `search` prices every split (the stages in
@@ -390,9 +437,13 @@ def simulate(
             "in the model's order"
         )
     num_stages = len(starts)
-    _, lowering = resolve_schedule(schedule, num_stages, num_ranks)
+    collectives = (
+        StageCollectives(unshard=charges.fsdp, reduce_grads=True) if charges is not None else None
+    )
+    _, lowering = resolve_schedule(schedule, num_stages, num_ranks, collectives)
     chosen = _selective(profile, selective, num_stages)
-    return _Simulator(profile, lowering, float(bandwidth), float(latency), chosen).timeline(starts)
+    sim = _Simulator(profile, lowering, float(bandwidth), float(latency), chosen, charges)
+    return sim.timeline(starts)
 
 
 def _selective(profile: Profile, selective: Collection[int], num_stages: int) -> frozenset[int]:

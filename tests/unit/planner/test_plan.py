@@ -99,11 +99,11 @@ def planned_timeline(found, prof):
 def smallest_free_peak(prof) -> int:
     """The smallest simulated peak of any split of any built-in schedule
     without recomputing (peaks depend on the bytes, not on the timings)."""
-    plan_module = sys.modules["torchmpmd.planner.plan"]
+    plan_module = sys.modules["torchmpmd.planner.weigh"]
     peaks = []
     for name in mpmd.schedules.__all__:
         cls = getattr(mpmd.schedules, name)
-        for stages in plan_module._stage_counts(cls, 2):
+        for stages in plan_module.stage_counts(cls, 2):
             for cuts in itertools.combinations(prof.units[1:], stages - 1):
                 try:
                     timeline = mpmd.planner.simulate(prof, list(cuts), schedule=cls(8), num_ranks=2)

@@ -1,0 +1,129 @@
+"""`mpmd.plan` over the whole mesh under torch.distributed (4 Gloo ranks):
+the links are calibrated on the job's group, every layout of 4 devices is
+weighed (pp 1, 2, 4; dp replicated or FSDP2; tp from the model's own plan),
+every rank gets the same plan, and `mpmd.build` runs what it chose, and
+what it ranked lower (`Plan.choose`), exactly as the unpipelined model on
+the whole batch: a Hugging Face GPT-NeoX in float64 throughout, loss and
+every gradient within 1e-10."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from harness import check_all, run_ranks, whole_tensor
+
+import torchmpmd as mpmd
+
+ROWS, SEQ, VOCAB = 16, 12, 96  # the global batch
+
+
+def _neox() -> torch.nn.Module:
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        use_cache=False,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    return GPTNeoXForCausalLM(config).double()
+
+
+def _loss(out, target):
+    return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+
+
+def _reference(model, idx, target, m: int):
+    """Loss and gradients of the unpipelined model on the whole batch, as
+    `m` microbatches of gradient accumulation (the mean loss)."""
+    model.zero_grad(set_to_none=True)
+    losses = []
+    for xb, yb in zip(idx.chunk(m), target.chunk(m), strict=True):
+        loss = _loss(model(xb), yb)
+        (loss / m).backward()
+        losses.append(loss.detach())
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return torch.stack(losses), grads
+
+
+def _step_and_compare(plan: mpmd.Plan, reference, idx, target, rank: int) -> str:
+    layout = plan.mesh_layout
+    dp_rank = (rank // layout.tp) % layout.dp
+    rows = ROWS // layout.dp
+    shard = slice(dp_rank * rows, (dp_rank + 1) * rows)
+    model = copy.deepcopy(reference)
+    runner = mpmd.build(
+        plan,
+        model,
+        idx[shard],
+        loss_fn=_loss,
+        options=mpmd.RunnerOptions(timeout=60),
+    )
+    out = runner.step(idx[shard], target=target[shard])
+    m = plan.num_microbatches
+    ref_losses, ref_grads = _reference(reference, idx, target, m * layout.dp)
+    # The step's loss: the mean over every replica's microbatches.
+    ref_loss = ref_losses.mean()
+    what = f"{layout} {plan.schedule!r} rank {rank}"
+    if out.loss is not None:  # the last stage's ranks hold the loss
+        loss = out.loss.detach()
+        assert abs(loss.item() - ref_loss.item()) < 1e-10, (what, loss, ref_loss)
+    held = dict(runner.named_parameters())
+    assert held, what
+    for name, p in held.items():
+        grad = whole_tensor(p.grad)
+        assert torch.allclose(grad, ref_grads[name], atol=1e-10, rtol=0), (what, name)
+    return f"{layout} {plan.schedule!r}"
+
+
+def plan_and_build(rank: int, world: int) -> dict:
+    reference = _neox()
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=g)
+    idx, target = tokens[:, :-1], tokens[:, 1:]
+    found = mpmd.plan(
+        reference,
+        (idx[:2],),
+        world,
+        batch_size=ROWS,
+        loss_fn=_loss,
+        example_target=target[:2],
+        repeats=2,
+        schedules=[mpmd.schedules.OneFOneB, mpmd.schedules.Interleaved1F1B],
+    )
+    ran = [c for c in found.alternatives if c.schedule is not None]
+    layouts = {str(found.mesh_layout)} | {str(c.layout) for c in ran}
+    # The plan's own choice, and the best of a few other layouts it ranked.
+    built = [_step_and_compare(found, reference, idx, target, rank)]
+    for want in ("dp 4 (fsdp)", "pp 2 x dp 2 (replicate)", "pp 2 x tp 2", "dp 2 x tp 2 (fsdp)"):
+        if want == str(found.mesh_layout):
+            continue
+        best = next(c for c in ran if str(c.layout) == want)
+        built.append(_step_and_compare(found.choose(best), reference, idx, target, rank))
+    return {
+        "plan": repr(found),
+        "layouts": sorted(layouts),
+        "notes": found.notes,
+        "built": built,
+        "seconds": found.seconds_planning,
+    }
+
+
+def test_the_plan_weighs_every_layout_and_what_it_builds_trains_like_the_model():
+    results = check_all(run_ranks(plan_and_build, 4, deadline=400))
+    first = results[0]
+    assert all(r["plan"] == first["plan"] for r in results), [r["plan"] for r in results]
+    assert first["notes"] == (), first["notes"]
+    # Pure SPMD (pp 1) weighed beside the pipelines, FSDP beside replicas,
+    # tp from GPT-NeoX's own plan.
+    for want in ("dp 4 (replicate)", "dp 4 (fsdp)", "pp 2 x dp 2 (fsdp)", "pp 4", "tp 4"):
+        assert want in first["layouts"], (want, first["layouts"])
+    assert len(first["built"]) >= 4, first["built"]
+    assert first["seconds"] < 60, first["seconds"]

@@ -1,0 +1,238 @@
+"""`mpmd.plan` over layouts, on the simulator with described links (one
+process): pure data parallelism (pp = 1) is chosen where the collectives are
+cheap, a pipeline where they are dear; a device-memory limit holds for every
+candidate that ran and turns replicas into FSDP; layouts that cannot run are
+refused with their reason; a unit's fixed cost per call is learned from two
+microbatch sizes; `refine` compares what its docstring says."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+
+import torchmpmd as mpmd
+from torchmpmd.planner.results import Profile
+from torchmpmd.planner.rows import RowCosts
+from torchmpmd.refine import _candidates
+
+WIDTH, DEPTH, BATCH = 256, 8, 64
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x))
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*(_Block() for _ in range(DEPTH)))
+
+
+def _links(bandwidth: float, latency: float) -> mpmd.Links:
+    machine = mpmd.Machine(
+        flops=1e12,
+        memory=1e12,
+        devices_per_node=8,
+        intra_node_bandwidth=bandwidth,
+        intra_node_latency=latency,
+        inter_node_bandwidth=bandwidth,
+        inter_node_latency=latency,
+    )
+    return mpmd.Links.from_machine(machine, 4)
+
+
+@pytest.fixture(scope="module")
+def cheap_and_dear() -> tuple[mpmd.Plan, mpmd.Plan]:
+    model, x = _model(), torch.randn(8, WIDTH)
+    schedules = [mpmd.schedules.OneFOneB, mpmd.schedules.Interleaved1F1B]
+    kw = {"batch_size": BATCH, "repeats": 3, "schedules": schedules}
+    cheap = mpmd.plan(model, (x,), 4, links=_links(1e12, 1e-6), **kw)
+    # All-reducing the 2 MiB of gradients takes ~40 ms on these links; the
+    # whole model's compute on the batch takes a few.
+    dear = mpmd.plan(model, (x,), 4, links=_links(1e8, 1e-4), **kw)
+    return cheap, dear
+
+
+def test_pure_data_parallelism_wins_where_collectives_are_cheap(cheap_and_dear):
+    cheap, _ = cheap_and_dear
+    assert cheap.mesh_layout.pp == 1 and cheap.mesh_layout.dp == 4, cheap
+    assert cheap.num_stages == 1 and cheap.split_before == []
+    weighed = {str(c.layout) for c in cheap.alternatives if c.schedule is not None}
+    assert {"pp 4", "pp 2 x dp 2 (replicate)", "pp 2 x dp 2 (fsdp)", "dp 4 (fsdp)"} <= weighed
+    pipelines = [c for c in cheap.alternatives if c.layout is not None and c.layout.pp > 1]
+    assert pipelines and all("slower" in c.rejected for c in pipelines if c.schedule)
+    assert "dp 4 (replicate)" in repr(cheap)
+
+
+def test_a_pipeline_wins_where_the_gradient_all_reduce_is_dear(cheap_and_dear):
+    cheap, dear = cheap_and_dear
+    assert dear.mesh_layout == mpmd.Layout(pp=4), dear
+    spmd = [c for c in dear.alternatives if c.layout == mpmd.Layout(dp=4)]
+    assert spmd and min(c.predicted_step_time for c in spmd) > 2 * dear.predicted_step_time
+    # The same profile underneath: the pipeline's own step barely moves.
+    same = [c for c in cheap.alternatives if c.layout == dear.mesh_layout]
+    assert same and min(c.predicted_step_time for c in same) <= dear.predicted_step_time * 1.5
+
+
+def test_device_memory_holds_for_every_candidate_and_fsdp_fits_where_replicas_do_not():
+    model, x = _model(), torch.randn(8, WIDTH)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    # Replicas hold 4x the parameters (parameter, gradient, two AdamW
+    # moments); FSDP over 4 holds 1 + the stage's 2 unsharded: 3x.
+    limit = 3.5 * params
+    found = mpmd.plan(
+        model,
+        (x,),
+        4,
+        batch_size=BATCH,
+        links=_links(1e12, 1e-6),
+        device_memory=limit,
+        repeats=2,
+        schedules=[mpmd.schedules.OneFOneB],
+        layouts=[mpmd.Layout(dp=4), mpmd.Layout(dp=4, data_parallel="fsdp")],
+    )
+    assert found.mesh_layout == mpmd.Layout(dp=4, data_parallel="fsdp"), found
+    assert max(found.predicted_peak_bytes) <= limit
+    assert found.state_bytes and found.state_bytes[0] == pytest.approx(3 * params, rel=0.01)
+    for c in found.alternatives:
+        if c.schedule is not None:
+            assert max(c.predicted_peak_bytes) <= limit, c
+        else:
+            assert c.layout == mpmd.Layout(dp=4) and "smallest peak" in c.rejected, c
+    with pytest.raises(ValueError, match=r"no candidate runs within device_memory=.*smallest"):
+        mpmd.plan(
+            model,
+            (x,),
+            4,
+            batch_size=BATCH,
+            links=_links(1e12, 1e-6),
+            device_memory=params,
+            repeats=1,
+            schedules=[mpmd.schedules.OneFOneB],
+            layouts=[mpmd.Layout(dp=4)],
+        )
+
+
+def test_layouts_that_cannot_run_are_refused_with_their_reason():
+    model, x = _model(), torch.randn(8, WIDTH)
+    found = mpmd.plan(
+        model,
+        (x,),
+        4,
+        batch_size=6,  # 6 rows do not divide over 4 replicas
+        links=_links(1e12, 1e-6),
+        repeats=1,
+        schedules=[mpmd.schedules.OneFOneB],
+        layouts=[mpmd.Layout(dp=4), mpmd.Layout(pp=2, dp=2), mpmd.Layout(pp=2, tp=2)],
+    )
+    why = {str(c.layout): c.rejected for c in found.alternatives if c.schedule is None}
+    assert "does not divide over dp=4" in why["dp 4 (replicate)"]
+    assert "no tensor-parallel plan" in why["pp 2 x tp 2"]
+    with pytest.raises(ValueError, match="takes 2 devices but num_ranks=4"):
+        mpmd.plan(model, (x,), 4, batch_size=8, layouts=[{"pp": 2}])
+    with pytest.raises(ValueError, match="pass batch_size"):
+        mpmd.plan(model, (x,), 4, layouts=[{"dp": 4}])
+    with pytest.raises(TypeError, match="write layouts="):
+        mpmd.plan(model, (x,), 4, batch_size=8, layouts=mpmd.Layout(dp=4))
+    with pytest.raises(ValueError, match="not both"):
+        mpmd.plan(model, (x,), 4, batch_size=8, memory_limit=1e9, device_memory=1e9)
+
+
+def test_without_links_a_single_process_weighs_the_pipeline_and_says_why():
+    model, x = _model(), torch.randn(8, WIDTH)
+    found = mpmd.plan(model, (x,), 2, batch_size=16, repeats=1)
+    assert found.mesh_layout == mpmd.Layout(pp=2)
+    assert any("collectives not priced" in n for n in found.notes), found.notes
+    assert "note: collectives not priced" in repr(found)
+
+
+class _Sleepy(torch.nn.Module):
+    """A layer with a fixed cost per call (2 ms, as a kernel launch or a
+    Python-heavy block would have) on top of its matmul."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.002)
+        return self.linear(x)
+
+
+def test_the_fixed_cost_per_call_is_learned_from_two_microbatch_sizes():
+    model = torch.nn.Sequential(_Sleepy(), torch.nn.Linear(WIDTH, WIDTH), _Sleepy())
+    found = mpmd.plan(
+        model,
+        (torch.randn(16, WIDTH),),
+        1,
+        batch_size=64,
+        repeats=3,
+        schedules=[mpmd.schedules.OneFOneB],
+    )
+    # Linear scaling from 16 rows would price 16 microbatches of 4 rows at
+    # the cost of one of 64: the sleeps make each call cost 4 ms more.
+    by_count = {
+        c.num_microbatches: c.predicted_step_time
+        for c in (found, *found.alternatives)
+        if c.schedule is not None
+    }
+    assert found.num_microbatches == 1, by_count
+    assert by_count[4] - by_count[1] > 3 * 0.004 * 0.8, by_count
+
+
+def test_row_costs_are_a_line_through_the_two_sizes():
+    def profile(f: float) -> Profile:
+        return Profile.chain(["a", "b"], [f, 2 * f])
+
+    costs = RowCosts(profile(3.0), 8, profile(2.0), 4)  # 1.0 fixed, 0.25 per row
+    at = costs.at(16)
+    assert at.forward == pytest.approx((5.0, 10.0))
+    assert costs.fixed() == pytest.approx((3.0, 6.0))  # F + B with B = 2F
+    # A half that costs more than the whole (noise): all fixed, never negative.
+    noisy = RowCosts(profile(2.0), 8, profile(3.0), 4)
+    assert noisy.at(1).forward == pytest.approx((2.0, 4.0))
+    linear = RowCosts(profile(3.0), 8)  # one size: linear, as before
+    assert not linear.fixed_cost_known and linear.at(4).forward == pytest.approx((1.5, 3.0))
+
+
+def test_refine_compares_predicted_steps_per_global_batch():
+    sched = mpmd.schedules
+
+    def candidate(cls, m: int, step: float) -> mpmd.planner.Candidate:
+        return mpmd.planner.Candidate(
+            name=f"{cls.__name__}({m})",
+            schedule=cls(m),
+            num_stages=2 if cls is not sched.Interleaved1F1B else 4,
+            num_microbatches=m,
+            split_before=["x"],
+            predicted_step_time=step,
+            predicted_peak_bytes=[1],
+        )
+
+    # Per microbatch the 16-microbatch ZB-H1 looks 4x cheaper than the plan;
+    # per global batch (what the plan compares) it is 1.5x slower, out of
+    # a 1.25 slack.
+    plan = mpmd.Plan(
+        schedule=sched.OneFOneB(4),
+        split_before=["x"],
+        num_microbatches=4,
+        num_ranks=2,
+        predicted_step_time=1.0,
+        predicted_peak_bytes=[1],
+        batch_size=16,
+        alternatives=(
+            candidate(sched.ZeroBubbleH1, 16, 1.5),
+            candidate(sched.ZeroBubbleH1, 8, 1.1),
+        ),
+    )
+    chosen = _candidates(plan, 1.25, 16)
+    assert [c.num_microbatches for c in chosen] == [4, 8]
+    per_microbatch = dataclasses.replace(plan, batch_size=None)
+    assert [c.num_microbatches for c in _candidates(per_microbatch, 1.25, 16)] == [4, 16]
