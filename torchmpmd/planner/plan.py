@@ -214,7 +214,7 @@ class _Search:
         """Every schedule, stage count, microbatch count and recompute
         policy on `layout`, each at its best split."""
         replica = self.batch_size // layout.dp if self.batch_size else None
-        why = _refused(layout, self.batch_size, shares)
+        why = _refused(layout, self.batch_size, shares, self.num_microbatches)
         if why:
             cls = self.classes[0]
             return [(_refusal(cls, layout, why), None)]
@@ -248,9 +248,14 @@ class _Search:
         return single[:1]
 
 
-def _refused(layout: Layout, batch_size: int | None, shares: TensorShares | None) -> str:
+def _refused(
+    layout: Layout, batch_size: int | None, shares: TensorShares | None, m: int | None
+) -> str:
+    """Why `layout` cannot take the batch ('' where it can)."""
     if batch_size is not None and batch_size % layout.dp:
         return f"batch_size={batch_size} does not divide over dp={layout.dp}"
+    if batch_size is not None and m is not None and (batch_size // layout.dp) % m:
+        return f"a replica's {batch_size // layout.dp} rows do not divide into num_microbatches={m}"
     if layout.tp > 1:
         if shares is None:
             return "the model has no tensor-parallel plan (pass tp_plan=...)"

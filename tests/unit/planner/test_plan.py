@@ -180,11 +180,18 @@ def test_within_tolerance_the_simplest_candidate_is_the_plan():
     fastest = min([found.predicted_step_time, *(c.predicted_step_time for c in weighed)])
     assert found.predicted_step_time <= 1.5 * fastest
     close = [c for c in weighed if c.predicted_step_time <= 1.5 * fastest]
-    # None of those has fewer stages, or as few and no split backward.
+    # None of those has fewer stages, or as few and no split backward (which
+    # of them are close moves with the profile's timings; the rule does not).
     assert all(c.num_stages >= found.num_stages for c in close)
-    assert found.num_stages == found.num_ranks
-    assert "ZeroBubble" not in type(found.schedule).__name__
-    assert any("within tolerance" in c.rejected for c in close)
+    plain = [
+        c
+        for c in close
+        if c.num_stages == found.num_stages
+        and not c.schedule.splits_backward(c.num_stages, found.num_ranks)
+    ]
+    if plain:
+        assert not found.schedule.splits_backward(found.num_stages, found.num_ranks)
+    assert close and all("within tolerance" in c.rejected for c in close)
     with pytest.raises(ValueError, match="tolerance must be in"):
         _plan(batch_size=16, tolerance=1.5)
 
