@@ -260,6 +260,10 @@ class Config:
     predicted_s: float = math.nan
     roles: list[str] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
+    # torchmpmd: the gathered timeline's span (first task to last, the
+    # gradient collectives included), after each timed step.
+    span: Callable[[], float] | None = None
+    spans: list[float] = field(default_factory=list)
     loss: float = math.nan
 
 
@@ -308,7 +312,11 @@ def torch_configs(
     return [
         Config(f"torch DDP (dp {world})", "torch", ddp_step, lambda: list(ddp.parameters()), True),
         Config(
-            f"torch FSDP2 (dp {world})", "torch", fsdp_step, lambda: list(sharded.parameters()), True
+            f"torch FSDP2 (dp {world})",
+            "torch",
+            fsdp_step,
+            lambda: list(sharded.parameters()),
+            True,
         ),
         Config(f"torch TP (tp {world})", "torch", tp_step, lambda: list(tp.parameters()), True),
     ]
@@ -377,6 +385,14 @@ def chosen_candidates(plan: mpmd.Plan, world: int) -> list[tuple[str, Candidate,
     return out
 
 
+def _options(layout: mpmd.Layout, **kw: Any) -> mpmd.RunnerOptions:
+    """The runner's options, the tp plan only on a layout with tp: `mpmd.build`
+    passes `options.tp_plan` on to a runner whose mesh has no "tp"
+    dimension, which refuses it ("tp_plan needs a mesh with a 'tp'
+    dimension"), though the plan weighed every layout with that tp plan."""
+    return mpmd.RunnerOptions(tp_plan=TP_PLAN if layout.tp > 1 else None, **kw)
+
+
 def torchmpmd_configs(
     plan: mpmd.Plan,
     reference: nn.Module,
@@ -404,9 +420,9 @@ def torchmpmd_configs(
                 copy.deepcopy(reference),
                 xs,
                 loss_fn=lm_loss,
-                options=mpmd.RunnerOptions(tp_plan=TP_PLAN),
+                options=_options(layout),
             )
-        except Exception as err:  # noqa: BLE001  (reported, not hidden)
+        except Exception as err:  # reported in the table (a refusal: on every rank alike)
             failed[f"{role}: {layout} {cand.name}"] = f"{type(err).__name__}: {err}"
             continue
 
@@ -427,6 +443,7 @@ def torchmpmd_configs(
             microbatches=cand.num_microbatches,
             predicted_s=cand.predicted_step_time,
             roles=[role],
+            span=lambda runner=runner: runner.gather_timeline().step_time,  # type: ignore[misc]
         )
     return list(by_key.values()), failed
 
@@ -448,6 +465,8 @@ def measure(configs: list[Config], rounds: int, warmup: int) -> None:
                 c.loss = float(loss)
             if r >= warmup:
                 c.times.append(float(slowest))
+                if c.span is not None:
+                    c.spans.append(c.span())
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -488,27 +507,34 @@ def memory_check(
     rank: int,
     world: int,
 ) -> dict[str, Any]:
-    """Plans again under `device_memory` = 0.7 x what the unlimited plan's
-    choice holds (activations + state) and checks each rank's measured
-    activation peak + the state the plan counted against it."""
+    """Plans again under `device_memory` = 0.7 (else 0.8, 0.9) x what the
+    unlimited plan's choice holds (activations + state) and checks each
+    rank's measured activation peak + the state the plan counted against
+    it."""
     held = [a + s for a, s in zip(plan.predicted_peak_bytes, plan.state_bytes, strict=False)]
     unlimited = max(held) if held else 0
-    limit = 0.7 * unlimited
-    out: dict[str, Any] = {"unlimited_held": unlimited, "limit": limit}
+    out: dict[str, Any] = {"unlimited_held": unlimited, "refused": {}}
     example = (x[: _example_rows(case, world)],)
-    try:
-        capped = mpmd.plan(
-            reference,
-            example,
-            world,
-            batch_size=case.batch,
-            device_memory=limit,
-            loss_fn=lm_loss,
-            example_target=y[: example[0].shape[0]],
-            tp_plan=TP_PLAN,
-        )
-    except ValueError as err:
-        out["error"] = str(err)
+    capped = None
+    for factor in MEMORY_FACTORS:
+        limit = factor * unlimited
+        out.update(factor=factor, limit=limit)
+        try:
+            capped = mpmd.plan(
+                reference,
+                example,
+                world,
+                batch_size=case.batch,
+                device_memory=limit,
+                loss_fn=lm_loss,
+                example_target=y[: example[0].shape[0]],
+                tp_plan=TP_PLAN,
+            )
+            break
+        except ValueError as err:
+            out["refused"][f"{factor} x"] = str(err)
+    if capped is None:
+        out["error"] = "no limit planned"
         return out
     layout = capped.mesh_layout
     dp_rank = (rank // layout.tp) % layout.dp
@@ -518,7 +544,7 @@ def memory_check(
         copy.deepcopy(reference),
         xs,
         loss_fn=lm_loss,
-        options=mpmd.RunnerOptions(tp_plan=TP_PLAN, measure_memory=True),
+        options=_options(layout, measure_memory=True),
     )
     peaks = []
     for _ in range(2):
@@ -559,6 +585,11 @@ def memory_check(
     worst = max(r["measured_plus_state"] for r in out["ranks"])
     out["worst_over_limit"] = worst / limit
     return out
+
+
+# device_memory = these x what the unlimited plan's choice holds, the first
+# that any candidate fits (a limit below it forces another choice).
+MEMORY_FACTORS = (0.7, 0.8, 0.9)
 
 
 def _example_rows(case: Case, world: int) -> int:
@@ -609,6 +640,7 @@ def run_case(case: Case, args: argparse.Namespace, rank: int, world: int) -> dic
                 "step_s": statistics.median(c.times),
                 "steps_s": c.times,
                 "predicted_s": c.predicted_s,
+                "span_s": statistics.median(c.spans) if c.spans else math.nan,
                 "first_loss": c.loss,
             }
         )
@@ -629,18 +661,16 @@ def run_case(case: Case, args: argparse.Namespace, rank: int, world: int) -> dic
         "best_pipeline": min(pipes, key=lambda r: r["step_s"])["label"] if pipes else None,
         "best_spmd": min(spmds, key=lambda r: r["step_s"])["label"],
         "best_pipeline_over_best_spmd": (
-            min(r["step_s"] for r in pipes) / min(r["step_s"] for r in spmds)
-            if pipes
-            else math.nan
+            min(r["step_s"] for r in pipes) / min(r["step_s"] for r in spmds) if pipes else math.nan
         ),
         "plan_over_fastest": plan_row["step_s"] / fastest if plan_row else math.nan,
         "fastest": min(rows_out, key=lambda r: r["step_s"])["label"],
-        "spearman_top5": spearman(
-            [r["predicted_s"] for r in top], [r["step_s"] for r in top]
-        )
+        "spearman_top5": spearman([r["predicted_s"] for r in top], [r["step_s"] for r in top])
         if len(top) >= 2
         else math.nan,
-        "max_error_top5": max((abs(r["predicted_over_measured"] - 1) for r in top), default=math.nan),
+        "max_error_top5": max(
+            (abs(r["predicted_over_measured"] - 1) for r in top), default=math.nan
+        ),
         "max_error_torchmpmd": max(
             (abs(r["predicted_over_measured"] - 1) for r in rows_out if r["kind"] == "torchmpmd"),
             default=math.nan,
@@ -678,14 +708,18 @@ def report(r: dict[str, Any], world: int, args: argparse.Namespace) -> None:
     for note in r["notes"]:
         print(f"   note: {note}")
     print(
-        f"   {'configuration':<58}{'step':>10}{'predicted':>11}{'pred/meas':>10}"
-        f"{'/fastest':>9}{'loss gap':>10}  roles"
+        f"   {'configuration':<50}{'step':>10}{'predicted':>11}{'pred/meas':>10}"
+        f"{'span':>10}{'/fastest':>9}{'loss gap':>10}  roles"
     )
     for row in sorted(r["rows"], key=lambda row: row["step_s"]):
         pred = row["predicted_s"]
         print(
-            f"   {row['label'][:57]:<58}{row['step_s'] * 1e3:8.1f}ms"
-            + (f"{pred * 1e3:9.1f}ms{pred / row['step_s']:10.3f}" if pred == pred else " " * 21)
+            f"   {row['label'][:49]:<50}{row['step_s'] * 1e3:8.1f}ms"
+            + (
+                f"{pred * 1e3:9.1f}ms{pred / row['step_s']:10.3f}{row['span_s'] * 1e3:8.1f}ms"
+                if pred == pred
+                else " " * 31
+            )
             + f"{row['over_fastest']:9.3f}{row['loss_gap']:10.1e}  {', '.join(row['roles'])}"
         )
     for what, err in r["build_failures"].items():
@@ -707,10 +741,14 @@ def report(r: dict[str, Any], world: int, args: argparse.Namespace) -> None:
     if mem is None:
         return
     if "error" in mem:
-        print(f"   device_memory {mem['limit'] / 2**20:.1f} MiB: {mem['error']}")
+        for factor, err in mem["refused"].items():
+            print(f"   device_memory = {factor} the unlimited choice's: {err}")
         return
+    for factor, err in mem["refused"].items():
+        print(f"   device_memory = {factor} the unlimited choice's: {err}")
     print(
-        f"   device_memory = 0.7 x the unlimited choice's {mem['unlimited_held'] / 2**20:.1f} MiB "
+        f"   device_memory = {mem['factor']} x the unlimited choice's "
+        f"{mem['unlimited_held'] / 2**20:.1f} MiB "
         f"= {mem['limit'] / 2**20:.1f} MiB: plan {mem['layout']} {mem['schedule']}, "
         f"recompute {mem['recompute'] or '-'}; worst rank's measured activations + counted "
         f"state = {mem['worst_over_limit']:.3f} x the limit [<= 1: "
@@ -755,7 +793,11 @@ def main() -> None:
     if rank == 0 and args.json is not None:
         args.json.write_text(
             json.dumps(
-                {"config": {**vars(args), "json": str(args.json)}, "nproc": world, "models": results},
+                {
+                    "config": {**vars(args), "json": str(args.json)},
+                    "nproc": world,
+                    "models": results,
+                },
                 indent=1,
                 default=str,
             )

@@ -60,10 +60,11 @@ def build(
             "mpmd.build: pass this rank's batch (tensors, rows in dim 0) as runner.step takes "
             "it, e.g. mpmd.build(plan, model, input_ids)"
         )
-    if plan.batch_size is not None and rows * layout.dp != plan.batch_size:
+    if plan.batch_size is not None and rows * layout.replicas != plan.batch_size:
         raise ValueError(
-            f"mpmd.build: the plan is for a global batch of {plan.batch_size} rows over dp="
-            f"{layout.dp} replicas ({plan.batch_size // layout.dp} rows each); this rank was "
+            f"mpmd.build: the plan is for a global batch of {plan.batch_size} rows over "
+            f"{layout.replicas} replicas ({plan.batch_size // layout.replicas} rows each: dp x ep "
+            f"of {layout}); this rank was "
             f"given {rows}; pass its replica's share of the batch"
         )
     mesh = layout_mesh(layout, device_type)
@@ -86,7 +87,7 @@ def layout_mesh(layout: Layout, device_type: str | None = None) -> DeviceMesh | 
             f"mpmd.build: the plan's layout ({layout}) takes {layout.num_devices} devices but "
             f"the job has {dist.get_world_size()}; plan for num_ranks={dist.get_world_size()}"
         )
-    if layout.dp * layout.tp == 1:
+    if layout.num_devices == layout.pp:
         return None
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -114,7 +115,7 @@ def runner_of(
     pipe = trace(model, example, split_before=c.split_before)
     opts = dataclasses.replace(base, recompute=dict(c.recompute) or False)
     layout = c.layout
-    if layout is not None and layout.dp > 1:
+    if layout is not None and layout.replicas > 1:
         opts = dataclasses.replace(opts, data_parallel=layout.data_parallel)
     if mesh is not None:
         return PipelineRunner(pipe, c.schedule, loss_fn=loss_fn, options=opts, mesh=mesh)

@@ -4,12 +4,14 @@ weighed (pp 1, 2, 4; dp replicated or FSDP2; tp from the model's own plan),
 every rank gets the same plan, and `mpmd.build` runs what it chose, and
 what it ranked lower (`Plan.choose`), exactly as the unpipelined model on
 the whole batch: a Hugging Face GPT-NeoX in float64 throughout, loss and
-every gradient within 1e-10."""
+every gradient within 1e-10; and a Qwen3-MoE whose experts go over ep (ep 4,
+dp 2 x ep 2 under FSDP, pp 2 x ep 2), the same."""
 
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from harness import check_all, run_ranks, whole_tensor
 
@@ -36,6 +38,29 @@ def _neox() -> torch.nn.Module:
     return GPTNeoXForCausalLM(config).double()
 
 
+def _qwen3_moe() -> torch.nn.Module:
+    # Float64 runs Hugging Face's eager experts (grouped_mm has none).
+    import transformers as T
+
+    torch.manual_seed(0)
+    config = T.Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        attn_implementation="eager",
+        use_cache=False,
+        experts_implementation="eager",
+    )
+    return T.Qwen3MoeForCausalLM(config).double()
+
+
 def _loss(out, target):
     return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), target.flatten())
 
@@ -55,8 +80,9 @@ def _reference(model, idx, target, m: int):
 
 def _step_and_compare(plan: mpmd.Plan, reference, idx, target, rank: int) -> str:
     layout = plan.mesh_layout
-    dp_rank = (rank // layout.tp) % layout.dp
-    rows = ROWS // layout.dp
+    # This rank's replica (of dp x ep; the same on every pipeline rank).
+    dp_rank = (rank // layout.tp) % layout.replicas
+    rows = ROWS // layout.replicas
     shard = slice(dp_rank * rows, (dp_rank + 1) * rows)
     model = copy.deepcopy(reference)
     runner = mpmd.build(
@@ -68,7 +94,7 @@ def _step_and_compare(plan: mpmd.Plan, reference, idx, target, rank: int) -> str
     )
     out = runner.step(idx[shard], target=target[shard])
     m = plan.num_microbatches
-    ref_losses, ref_grads = _reference(reference, idx, target, m * layout.dp)
+    ref_losses, ref_grads = _reference(reference, idx, target, m * layout.replicas)
     # The step's loss: the mean over every replica's microbatches.
     ref_loss = ref_losses.mean()
     what = f"{layout} {plan.schedule!r} rank {rank}"
@@ -80,7 +106,7 @@ def _step_and_compare(plan: mpmd.Plan, reference, idx, target, rank: int) -> str
     for name, p in held.items():
         grad = whole_tensor(p.grad)
         assert torch.allclose(grad, ref_grads[name], atol=1e-10, rtol=0), (what, name)
-    return f"{layout} {plan.schedule!r}"
+    return str(layout)
 
 
 def plan_and_build(rank: int, world: int) -> dict:
@@ -107,8 +133,28 @@ def plan_and_build(rank: int, world: int) -> dict:
             continue
         best = next(c for c in ran if str(c.layout) == want)
         built.append(_step_and_compare(found.choose(best), reference, idx, target, rank))
+    # Experts: expert parallelism weighed (ep 2, ep 4) and built.
+    moe = _qwen3_moe()
+    experts = mpmd.plan(
+        moe,
+        (idx[:2],),
+        world,
+        batch_size=ROWS,
+        loss_fn=_loss,
+        example_target=target[:2],
+        repeats=1,
+        schedules=[mpmd.schedules.OneFOneB],
+        layouts=[{"ep": 4}, {"dp": 2, "ep": 2, "data_parallel": "fsdp"}, {"pp": 2, "ep": 2}],
+    )
+    seen = {str(experts.mesh_layout)}
+    built.append(_step_and_compare(experts, moe, idx, target, rank))
+    for c in experts.alternatives:  # the best of each other layout
+        if c.schedule is not None and str(c.layout) not in seen:
+            seen.add(str(c.layout))
+            built.append(_step_and_compare(experts.choose(c), moe, idx, target, rank))
     return {
         "plan": repr(found),
+        "moe": repr(experts),
         "layouts": sorted(layouts),
         "notes": found.notes,
         "built": built,
@@ -116,6 +162,7 @@ def plan_and_build(rank: int, world: int) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_the_plan_weighs_every_layout_and_what_it_builds_trains_like_the_model():
     results = check_all(run_ranks(plan_and_build, 4, deadline=400))
     first = results[0]
@@ -125,5 +172,10 @@ def test_the_plan_weighs_every_layout_and_what_it_builds_trains_like_the_model()
     # tp from GPT-NeoX's own plan.
     for want in ("dp 4 (replicate)", "dp 4 (fsdp)", "pp 2 x dp 2 (fsdp)", "pp 4", "tp 4"):
         assert want in first["layouts"], (want, first["layouts"])
-    assert len(first["built"]) >= 4, first["built"]
+    built = first["built"]
+    assert len(built) == 5 + 3, built
+    assert {"dp 4 (fsdp)", "pp 2 x dp 2 (replicate)", "pp 2 x tp 2", "dp 2 x tp 2 (fsdp)"} <= set(
+        built[:5]
+    )
+    assert set(built[5:]) == {"ep 4 (replicate)", "dp 2 x ep 2 (fsdp)", "pp 2 x ep 2 (replicate)"}
     assert first["seconds"] < 60, first["seconds"]

@@ -170,9 +170,9 @@ def recompute_text(recompute: dict[int, str]) -> str:
     )
 
 
-def simplicity(c: Candidate) -> tuple[int, int, bool, bool, int, int, float]:
+def simplicity(c: Candidate) -> tuple[int, int, int, bool, bool, int, int, float]:
     """The order among candidates the simulator cannot tell apart: fewest
-    stages, no tp, replicated over FSDP, no split backward, least
+    stages, no tp, no ep, replicated over FSDP, no split backward, least
     recompute, smallest peak."""
     assert c.schedule is not None
     ranks = max(c.num_stages // max(c.schedule.stages_per_rank, 1), 1)
@@ -184,7 +184,8 @@ def simplicity(c: Candidate) -> tuple[int, int, bool, bool, int, int, float]:
     return (
         c.num_stages,
         layout.tp,
-        layout.data_parallel == "fsdp" and layout.dp > 1,
+        layout.ep,
+        layout.data_parallel == "fsdp" and layout.replicas > 1,
         split,
         sum(2 if mode == "full" else 1 for mode in c.recompute.values()),
         max(c.predicted_peak_bytes, default=0),

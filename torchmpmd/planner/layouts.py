@@ -40,16 +40,19 @@ class LinkPrices(Protocol):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Layout:
     """How the devices divide: pp pipeline ranks x dp data-parallel replicas
-    x tp tensor-parallel ranks. `data_parallel`: how the dp replicas hold
-    the parameters, "replicate" (DDP's all-reduce) or "fsdp" (FSDP2)."""
+    x ep expert-parallel ranks x tp tensor-parallel ranks. `data_parallel`:
+    how the replicas hold the parameters, "replicate" (DDP's all-reduce) or
+    "fsdp" (FSDP2). The ep ranks hold E / ep of each experts module's
+    experts and are data-parallel for the rest: dp x ep replicas of it."""
 
     pp: int = 1
     dp: int = 1
     tp: int = 1
+    ep: int = 1
     data_parallel: str = "replicate"
 
     def __post_init__(self) -> None:
-        for name in ("pp", "dp", "tp"):
+        for name in ("pp", "dp", "ep", "tp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"mpmd.Layout: {name} must be a positive int, got {value!r}")
@@ -61,13 +64,18 @@ class Layout:
 
     @property
     def num_devices(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.ep * self.tp
+
+    @property
+    def replicas(self) -> int:
+        """How many ranks split the global batch (dp x ep)."""
+        return self.dp * self.ep
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
-        """The device mesh's dimension names (pp first, as the runner reads
-        them): ("pp",), ("pp", "dp"), ("pp", "tp") or ("pp", "dp", "tp")."""
-        return ("pp", *(n for n in ("dp", "tp") if getattr(self, n) > 1))
+        """The device mesh's dimension names in the order the runner reads
+        them: "pp", then those of "dp", "ep", "tp" over 1."""
+        return ("pp", *(n for n in ("dp", "ep", "tp") if getattr(self, n) > 1))
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -79,9 +87,10 @@ class Layout:
         return self.pp == 1
 
     def __str__(self) -> str:
-        parts = [f"{n} {getattr(self, n)}" for n in ("pp", "dp", "tp") if getattr(self, n) > 1]
+        names = ("pp", "dp", "ep", "tp")
+        parts = [f"{n} {getattr(self, n)}" for n in names if getattr(self, n) > 1]
         text = " x ".join(parts) or "1 device"
-        if self.dp > 1:
+        if self.replicas > 1:
             text += f" ({self.data_parallel})"
         return text
 
@@ -91,11 +100,11 @@ class Layout:
         if isinstance(value, Layout):
             return value
         if isinstance(value, dict):
-            unknown = sorted(set(value) - {"pp", "dp", "tp", "data_parallel"})
+            unknown = sorted(set(value) - {"pp", "dp", "ep", "tp", "data_parallel"})
             if unknown:
                 raise ValueError(
                     f"mpmd.plan: layout {value!r} has unknown key(s) {unknown}; a layout "
-                    "gives pp, dp, tp and data_parallel ('replicate' or 'fsdp')"
+                    "gives pp, dp, ep, tp and data_parallel ('replicate' or 'fsdp')"
                 )
             return Layout(**value)
         raise TypeError(
@@ -109,22 +118,23 @@ def layouts_of(
     *,
     max_pp: int,
     tp_sizes: Iterable[int],
+    ep_sizes: Iterable[int] = (1,),
     data_parallel: Sequence[str] = DATA_PARALLEL,
 ) -> list[Layout]:
-    """Every pp x dp x tp = `num_devices` with pp <= `max_pp` (the units a
-    stage can start at) and tp in `tp_sizes`; a layout with dp > 1 once per
-    `data_parallel` mode."""
+    """Every pp x dp x ep x tp = `num_devices` with pp <= `max_pp` (the
+    units a stage can start at), tp in `tp_sizes` and ep in `ep_sizes`; a
+    layout with several replicas once per `data_parallel` mode."""
     out: list[Layout] = []
     tps = sorted({t for t in tp_sizes if num_devices % t == 0})
+    eps = sorted({e for e in ep_sizes if num_devices % e == 0})
     for pp in range(1, min(max_pp, num_devices) + 1):
-        if num_devices % pp:
-            continue
         for tp in tps:
-            if (num_devices // pp) % tp:
-                continue
-            dp = num_devices // pp // tp
-            modes = data_parallel if dp > 1 else ("replicate",)
-            out.extend(Layout(pp=pp, dp=dp, tp=tp, data_parallel=m) for m in modes)
+            for ep in eps:
+                if num_devices % (pp * tp * ep):
+                    continue
+                dp = num_devices // (pp * tp * ep)
+                modes = data_parallel if dp * ep > 1 else ("replicate",)
+                out.extend(Layout(pp=pp, dp=dp, ep=ep, tp=tp, data_parallel=m) for m in modes)
     return out
 
 
@@ -144,24 +154,34 @@ class StageCharges:
 
     @property
     def fsdp(self) -> bool:
-        return self.layout.data_parallel == "fsdp" and self.layout.dp > 1
+        return self.layout.data_parallel == "fsdp" and self.layout.replicas > 1
 
-    def _time(self, kind: str, nbytes: int) -> float:
-        if self.layout.dp <= 1 or self.links is None or nbytes <= 0:
+    def _time(self, kind: str, nbytes: float, group: int) -> float:
+        if group <= 1 or self.links is None or nbytes <= 0:
             return 0.0
-        return self.links.time(kind, float(nbytes), group_size=self.layout.dp)
+        return self.links.time(kind, float(nbytes), group_size=group)
 
-    def reduce(self, nbytes: int) -> float:
-        return self._time("reduce_scatter" if self.fsdp else "all_reduce", nbytes)
+    def _groups(self, nbytes: int, experts: int) -> list[tuple[float, int]]:
+        """(bytes, group) pairs: the dense parameters over dp x ep, a rank's
+        E / ep experts over dp."""
+        lay = self.layout
+        return [(nbytes - experts, lay.replicas), (experts / lay.ep, lay.dp)]
 
-    def gather(self, nbytes: int) -> float:
-        return self._time("all_gather", nbytes) if self.fsdp else 0.0
+    def reduce(self, nbytes: int, experts: int = 0) -> float:
+        kind = "reduce_scatter" if self.fsdp else "all_reduce"
+        return sum(self._time(kind, b, g) for b, g in self._groups(nbytes, experts))
 
-    def held(self, nbytes: int) -> int:
-        """Parameters, gradients and optimizer states; under FSDP sharded
-        over dp, plus the stage's parameters and gradients unsharded while
-        it runs."""
-        state = nbytes * (2.0 + self.optimizer_state)
+    def gather(self, nbytes: int, experts: int = 0) -> float:
         if not self.fsdp:
-            return math.ceil(state)
-        return math.ceil(state / self.layout.dp + 2 * nbytes)
+            return 0.0
+        return sum(self._time("all_gather", b, g) for b, g in self._groups(nbytes, experts))
+
+    def held(self, nbytes: int, experts: int = 0) -> int:
+        """Parameters, gradients and optimizer states (experts: a rank's
+        E / ep); under FSDP sharded over their replicas, plus the stage's
+        parameters and gradients unsharded while it runs."""
+        total = 0.0
+        for b, group in self._groups(nbytes, experts):
+            state = b * (2.0 + self.optimizer_state)
+            total += state / group + 2 * b if self.fsdp else state
+        return math.ceil(total)

@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,8 @@ from .candidates import (
     simplicity,
     why_not,
 )
+from .expert_costs import ExpertShares, over_ep
+from .expert_costs import probe as probe_experts
 from .layouts import Layout, LinkPrices, StageCharges, layouts_of
 from .profiler import LossFn, profile
 from .results import Balance
@@ -152,7 +154,7 @@ def plan(
     check_counts(num_microbatches, batch_size)
     wanted = _layouts(layouts, num_ranks, batch_size)
     notes: list[str] = []
-    if links is None and (wanted is None or any(w.dp * w.tp > 1 for w in wanted)):
+    if links is None and (wanted is None or any(w.num_devices > w.pp for w in wanted)):
         links = _calibrated(num_ranks, notes)
     if bandwidth == latency == 0.0 and links is not None:
         send = getattr(links, "send", None)
@@ -182,7 +184,7 @@ def plan(
             loss=(loss_fn, example_target),
             split=any(may_split_backward(cls) for cls in classes),
             selective=limit is not None,
-            tp=(wanted is None or any(w.tp > 1 for w in wanted), tp_plan),
+            tp=(wanted is None or any(w.tp * w.ep > 1 for w in wanted), tp_plan),
             halve=batch_size is not None,
         )
         candidates = wanted
@@ -194,6 +196,14 @@ def plan(
         return _chosen(found, search_args, num_ranks, tolerance, notes, start)
 
     return on_rank_zero(run)
+
+
+class _Shares(NamedTuple):
+    """What tp and ep shard of each unit (None: the model has no tp plan,
+    no experts)."""
+
+    tensor: TensorShares | None
+    experts: ExpertShares | None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -209,17 +219,17 @@ class _Search:
     counted: bool
 
     def layout(
-        self, layout: Layout, costs: RowCosts, shares: TensorShares | None
+        self, layout: Layout, costs: RowCosts, shares: _Shares
     ) -> list[tuple[Candidate, Balance | None]]:
         """Every schedule, stage count, microbatch count and recompute
         policy on `layout`, each at its best split."""
-        replica = self.batch_size // layout.dp if self.batch_size else None
+        replica = self.batch_size // layout.replicas if self.batch_size else None
         why = _refused(layout, self.batch_size, shares, self.num_microbatches)
         if why:
             cls = self.classes[0]
             return [(_refusal(cls, layout, why), None)]
         charges = None
-        if self.batch_size is not None and (layout.dp > 1 or self.counted):
+        if self.batch_size is not None and (layout.replicas > 1 or self.counted):
             charges = StageCharges(layout, self.links, self.optimizer_state, self.counted)
         out = []
         for cls in self._classes(layout):
@@ -231,8 +241,10 @@ class _Search:
                 for m in counts:
                     rows = replica / m if replica else costs.rows
                     prof = costs.at(rows)
-                    if shares is not None and layout.tp > 1:
-                        prof = over_tp(prof, shares, layout.tp, self.links, rows)
+                    if shares.tensor is not None and layout.tp > 1:
+                        prof = over_tp(prof, shares.tensor, layout.tp, self.links, rows)
+                    if shares.experts is not None:
+                        prof = over_ep(prof, shares.experts, layout.ep, self.links, rows)
                     for policy in policies(cls, stages, m, layout.pp, self.limits[0], prof):
                         out.append(
                             weigh(cls, stages, m, layout, prof, policy, self.limits, charges)
@@ -248,18 +260,24 @@ class _Search:
         return single[:1]
 
 
-def _refused(
-    layout: Layout, batch_size: int | None, shares: TensorShares | None, m: int | None
-) -> str:
+def _refused(layout: Layout, batch_size: int | None, shares: _Shares, m: int | None) -> str:
     """Why `layout` cannot take the batch ('' where it can)."""
-    if batch_size is not None and batch_size % layout.dp:
-        return f"batch_size={batch_size} does not divide over dp={layout.dp}"
-    if batch_size is not None and m is not None and (batch_size // layout.dp) % m:
-        return f"a replica's {batch_size // layout.dp} rows do not divide into num_microbatches={m}"
+    replicas = layout.replicas
+    if batch_size is not None and batch_size % replicas:
+        over = "dp" if layout.ep == 1 else "dp x ep"
+        return f"batch_size={batch_size} does not divide over {over}={replicas}"
+    if batch_size is not None and m is not None and (batch_size // replicas) % m:
+        return f"a replica's {batch_size // replicas} rows do not divide into num_microbatches={m}"
+    if layout.ep > 1:
+        if shares.experts is None:
+            return "the model has no experts modules (mpmd.trace(..., experts=[...]) names them)"
+        why = shares.experts.fits(layout.ep)
+        if why:
+            return why
     if layout.tp > 1:
-        if shares is None:
+        if shares.tensor is None:
             return "the model has no tensor-parallel plan (pass tp_plan=...)"
-        return tp_fits(shares, layout.tp)
+        return tp_fits(shares.tensor, layout.tp)
     return ""
 
 
@@ -293,11 +311,11 @@ def _layouts(value: Any, num_ranks: int, batch_size: int | None) -> list[Layout]
         if w.num_devices != num_ranks:
             raise ValueError(
                 f"mpmd.plan: layout {w} takes {w.num_devices} devices but num_ranks={num_ranks}; "
-                "pp x dp x tp must be the number of devices"
+                "pp x dp x ep x tp must be the number of devices"
             )
-        if w.dp > 1 and batch_size is None:
+        if w.replicas > 1 and batch_size is None:
             raise ValueError(
-                f"mpmd.plan: layout {w} splits the global batch over dp={w.dp} replicas; pass "
+                f"mpmd.plan: layout {w} splits the global batch over {w.replicas} replicas; pass "
                 "batch_size=... (rows of the global batch)"
             )
     if not out:
@@ -308,18 +326,20 @@ def _layouts(value: Any, num_ranks: int, batch_size: int | None) -> list[Layout]
 def _every_layout(
     num_ranks: int,
     units: int,
-    shares: TensorShares | None,
+    shares: _Shares,
     links: LinkPrices | None,
     notes: list[str],
 ) -> list[Layout]:
     if links is None:
         return [Layout(pp=num_ranks)]
-    tps = [1] + [t for t in range(2, num_ranks + 1) if shares is not None and num_ranks % t == 0]
-    if shares is None and num_ranks > 1:
+    sizes = [t for t in range(2, num_ranks + 1) if num_ranks % t == 0]
+    tps = [1] + (sizes if shares.tensor is not None else [])
+    eps = [1] + [e for e in sizes if shares.experts is not None and not shares.experts.fits(e)]
+    if shares.tensor is None and num_ranks > 1:
         notes.append(
             "tp not weighed: the model has no tensor-parallel plan of its own (pass tp_plan=...)"
         )
-    return layouts_of(num_ranks, max_pp=units, tp_sizes=tps)
+    return layouts_of(num_ranks, max_pp=units, tp_sizes=tps, ep_sizes=eps)
 
 
 def _calibrated(num_ranks: int, notes: list[str]) -> LinkPrices | None:
@@ -351,9 +371,9 @@ def _profiles(
     selective: bool,
     tp: tuple[bool, dict[str, Any] | None],
     halve: bool,
-) -> tuple[RowCosts, TensorShares | None]:
+) -> tuple[RowCosts, _Shares]:
     """The profile on the example and, to learn each unit's fixed cost, on
-    its first half of rows; the tp shares where tp is weighed."""
+    its first half of rows; the tp and ep shares where they are weighed."""
     loss_fn, target = loss
 
     def measured(args: Any, kwargs: Any, target: Any) -> Any:
@@ -378,10 +398,13 @@ def _profiles(
         half = rows // 2
         cut = first_rows((example_args, example_kwargs, target), rows, half)
         costs = RowCosts(full, rows, measured(*cut), half)
-    shares = None
+    shares = _Shares(None, None)
     if tp[0] and num_ranks > 1:
         args, kwargs = example_inputs("mpmd.plan", example_args, example_kwargs)
-        shares = probe(model, args, kwargs, full.units, tp[1], max(rows, 1))
+        shares = _Shares(
+            probe(model, args, kwargs, full.units, tp[1], max(rows, 1)),
+            probe_experts(model, args, kwargs, full.units, max(rows, 1)),
+        )
     return costs, shares
 
 

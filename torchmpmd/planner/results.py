@@ -52,6 +52,9 @@ class Profile:
     # Bytes of the parameters each unit holds (a stage holds its units';
     # gradients and optimizer states follow them). None: not known.
     parameter_bytes: tuple[int, ...] | None = None
+    # Of those, the bytes of experts' parameters (expert parallelism divides
+    # them over ep; None: no experts, or not known).
+    expert_bytes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.units)
@@ -68,6 +71,7 @@ class Profile:
             "input_grad",
             "weight_grad",
             "parameter_bytes",
+            "expert_bytes",
         ):
             values = getattr(self, name)
             if values is None:

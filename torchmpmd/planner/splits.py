@@ -56,6 +56,7 @@ class _Sums:
         self.b = [0.0, *itertools.accumulate(profile.backward)]
         self.a = [0, *itertools.accumulate(profile.activation_bytes)]
         self.p = [0, *itertools.accumulate(profile.parameter_bytes or ())]
+        self.e = [0, *itertools.accumulate(profile.expert_bytes or ())]
         self.i = [0.0, *itertools.accumulate(profile.input_grad or ())]
         self.w = [0.0, *itertools.accumulate(profile.weight_grad or ())]
 
@@ -112,19 +113,23 @@ class _Simulator:
         i[0] = 0.0
         return i, w
 
-    def parameters(self, starts: tuple[int, ...]) -> list[int]:
-        """Per stage, the bytes of its parameters (as the profile holds them)."""
+    def parameters(self, starts: tuple[int, ...]) -> list[tuple[int, int]]:
+        """Per stage, the bytes of its parameters and, of those, its experts'."""
         bounds = [*starts, len(self.profile.units)]
-        p = self._plain.p
-        return [p[e] - p[s] if len(p) > 1 else 0 for s, e in itertools.pairwise(bounds)]
+        p, x = self._plain.p, self._plain.e
+
+        def span(values: list[int], s: int, e: int) -> int:
+            return values[e] - values[s] if len(values) > 1 else 0
+
+        return [(span(p, s, e), span(x, s, e)) for s, e in itertools.pairwise(bounds)]
 
     def held(self, starts: tuple[int, ...]) -> list[int]:
         """Per rank, what its stages' state holds besides activations
         (parameters, gradients, optimizer states, as `charges` says)."""
         out = [0] * self.lowering.num_ranks
         if self.charges is not None and self.charges.counted:
-            for s, nbytes in enumerate(self.parameters(starts)):
-                out[self.placement[s]] += self.charges.held(nbytes)
+            for s, (nbytes, experts) in enumerate(self.parameters(starts)):
+                out[self.placement[s]] += self.charges.held(nbytes, experts)
         return out
 
     def costs(self, starts: tuple[int, ...]) -> Costs:
@@ -133,9 +138,9 @@ class _Simulator:
         data: dict[str, Any] = {}
         if self.charges is not None:
             params = self.parameters(starts)
-            data["reduce_grads"] = [self.charges.reduce(p) for p in params]
+            data["reduce_grads"] = [self.charges.reduce(p, x) for p, x in params]
             if self.charges.fsdp:
-                data["unshard"] = [self.charges.gather(p) for p in params]
+                data["unshard"] = [self.charges.gather(p, x) for p, x in params]
         return Costs(
             **data,
             forward=[f for f, _, _ in stages],

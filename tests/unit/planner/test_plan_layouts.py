@@ -130,11 +130,17 @@ def test_layouts_that_cannot_run_are_refused_with_their_reason():
         links=_links(1e12, 1e-6),
         repeats=1,
         schedules=[mpmd.schedules.OneFOneB],
-        layouts=[mpmd.Layout(dp=4), mpmd.Layout(pp=2, dp=2), mpmd.Layout(pp=2, tp=2)],
+        layouts=[
+            mpmd.Layout(dp=4),
+            mpmd.Layout(pp=2, dp=2),
+            mpmd.Layout(pp=2, tp=2),
+            mpmd.Layout(pp=2, ep=2),
+        ],
     )
     why = {str(c.layout): c.rejected for c in found.alternatives if c.schedule is None}
     assert "does not divide over dp=4" in why["dp 4 (replicate)"]
     assert "no tensor-parallel plan" in why["pp 2 x tp 2"]
+    assert "no experts modules" in why["pp 2 x ep 2 (replicate)"]
     with pytest.raises(ValueError, match="takes 2 devices but num_ranks=4"):
         mpmd.plan(model, (x,), 4, batch_size=8, layouts=[{"pp": 2}])
     with pytest.raises(ValueError, match="pass batch_size"):
@@ -236,3 +242,25 @@ def test_refine_compares_predicted_steps_per_global_batch():
     assert [c.num_microbatches for c in chosen] == [4, 8]
     per_microbatch = dataclasses.replace(plan, batch_size=None)
     assert [c.num_microbatches for c in _candidates(per_microbatch, 1.25, 16)] == [4, 16]
+
+
+def test_expert_parallelism_divides_the_experts_state_and_reduces_each_part_over_its_replicas():
+    from torchmpmd.planner.layouts import StageCharges
+
+    links = _links(1e9, 1e-5)
+    both = mpmd.Layout(dp=2, ep=2, data_parallel="fsdp")
+    assert both.mesh_dim_names == ("pp", "dp", "ep") and both.replicas == 4
+    # 100 bytes of parameters, 40 of them experts: the dense 60 over dp x ep
+    # = 4 replicas, a rank's 20 bytes of experts over dp = 2.
+    fsdp = StageCharges(both, links)
+    assert fsdp.held(100, 40) == 60 * 4 / 4 + 2 * 60 + 20 * 4 / 2 + 2 * 20
+    replicas = StageCharges(mpmd.Layout(dp=2, ep=2), links)
+    assert replicas.held(100, 40) == 60 * 4 + 20 * 4
+    assert replicas.reduce(100, 40) == pytest.approx(
+        links.time("all_reduce", 60, group_size=4) + links.time("all_reduce", 20, group_size=2)
+    )
+    assert fsdp.gather(100, 40) == pytest.approx(
+        links.time("all_gather", 60, group_size=4) + links.time("all_gather", 20, group_size=2)
+    )
+    with pytest.raises(ValueError, match="ep must be a positive int"):
+        mpmd.Layout(ep=0)
