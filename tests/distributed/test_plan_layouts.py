@@ -167,7 +167,8 @@ def test_the_plan_weighs_every_layout_and_what_it_builds_trains_like_the_model()
     results = check_all(run_ranks(plan_and_build, 4, deadline=400))
     first = results[0]
     assert all(r["plan"] == first["plan"] for r in results), [r["plan"] for r in results]
-    assert first["notes"] == (), first["notes"]
+    # Everything weighed (a "close call" note may say which rival is near).
+    assert all(n.startswith("close call") for n in first["notes"]), first["notes"]
     # Pure SPMD (pp 1) weighed beside the pipelines, FSDP beside replicas,
     # tp from GPT-NeoX's own plan.
     for want in ("dp 4 (replicate)", "dp 4 (fsdp)", "pp 2 x dp 2 (fsdp)", "pp 4", "tp 4"):

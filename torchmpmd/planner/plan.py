@@ -433,6 +433,7 @@ def _chosen(
         if c is not best
     ]
     pipeline_only = all(c.layout is not None and c.layout == Layout(pp=num_ranks) for c, _ in found)
+    notes.extend(_close_calls(best, [c for c, _ in ran], batch_size, tolerance))
     return Plan(
         schedule=best.schedule,
         split_before=best.split_before,
@@ -449,6 +450,27 @@ def _chosen(
         state_bytes=best.state_bytes,
         notes=tuple(notes),
     )
+
+
+def _close_calls(
+    best: Candidate, ran: list[Candidate], batch_size: int | None, tolerance: float
+) -> list[str]:
+    """Why another run may plan otherwise: the closest candidate of another
+    layout or stage count just outside the tolerance (the profile's timings
+    move by a few percent from run to run on a shared machine)."""
+    mine = per_batch(best, batch_size)
+    for c in ran:
+        if c.layout == best.layout and c.num_stages == best.num_stages:
+            continue
+        ratio = per_batch(c, batch_size) / max(mine, 1e-30)
+        if ratio <= 1 + 2 * tolerance:
+            return [
+                f"close call: {c.name} on {c.layout} is predicted {ratio:.3f}x the plan, within "
+                f"twice the tolerance; a run whose profile times differ by a few percent may "
+                f"choose it (mpmd.refine measures both on the job)"
+            ]
+        break
+    return []
 
 
 def _check_loss(loss_fn: Any, example_target: Any) -> None:

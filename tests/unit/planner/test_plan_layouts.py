@@ -264,3 +264,26 @@ def test_expert_parallelism_divides_the_experts_state_and_reduces_each_part_over
     )
     with pytest.raises(ValueError, match="ep must be a positive int"):
         mpmd.Layout(ep=0)
+
+
+def test_a_close_rival_of_another_layout_is_named_in_the_notes():
+    from torchmpmd.planner.plan import _close_calls
+
+    def candidate(layout: mpmd.Layout, step: float) -> mpmd.planner.Candidate:
+        return mpmd.planner.Candidate(
+            name="OneFOneB(4)",
+            schedule=mpmd.schedules.OneFOneB(4),
+            num_stages=layout.pp,
+            num_microbatches=4,
+            split_before=[],
+            predicted_step_time=step,
+            predicted_peak_bytes=[1],
+            layout=layout,
+        )
+
+    best = candidate(mpmd.Layout(dp=4), 1.0)
+    near = [best, candidate(mpmd.Layout(dp=4), 1.01), candidate(mpmd.Layout(pp=4), 1.05)]
+    (note,) = _close_calls(best, near, 64, 0.03)
+    assert "close call" in note and "pp 4" in note and "1.050x" in note
+    far = [best, candidate(mpmd.Layout(pp=4), 1.2)]
+    assert _close_calls(best, far, 64, 0.03) == []
