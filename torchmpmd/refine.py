@@ -31,10 +31,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch.distributed.device_mesh import DeviceMesh
 
 from .build import _as_candidate, layout_mesh, runner_of
 from .planner.candidates import Candidate, Plan, per_batch, simplicity
 from .planner.check_in import check_in
+from .planner.layouts import Layout
 from .planner.profiler import _buffers_restored
 from .planner.weigh import batch_rows
 from .runtime import PipelineRunner, RunnerOptions
@@ -95,7 +98,7 @@ def refine(
     problem: Exception | None = None
     try:
         rows = _rows(batch_args)
-        chosen = _candidates(plan, slack, rows)
+        chosen = _candidates(plan, slack, rows, other_layouts=group is None)
     except ValueError as err:  # the other ranks hear of it at the check-in
         problem, rows = err, 0
     call = {"plan": f"{plan.schedule!r} split_before={plan.split_before}", "rows": rows}
@@ -104,11 +107,20 @@ def refine(
     if problem is not None:
         raise problem
     with _model_kept(model):
-        mesh = layout_mesh(plan.layout) if plan.layout is not None else None
-        runners = [
-            runner_of(c, model, batch_args, rows, loss_fn, base, mesh, group) for c in chosen
-        ]
-        times = _measure(runners, batch_args, target, rounds, warmup, group)
+        meshes: dict[Layout, DeviceMesh | None] = {}
+        runners, batches = [], []
+        for c in chosen:
+            layout = c.layout or plan.mesh_layout
+            if layout not in meshes:  # every rank makes the meshes in the same order
+                meshes[layout] = layout_mesh(layout) if layout.num_devices > layout.pp else None
+            mine = _share((batch_args, target), rows, layout)
+            runners.append(
+                runner_of(
+                    c, model, mine[0], rows // layout.replicas, loss_fn, base, meshes[layout], group
+                )
+            )
+            batches.append(mine)
+        times = _measure(runners, batches, rounds, warmup, group)
     medians: list[Any] = [[statistics.median(t) for t in times]]
     dist.broadcast_object_list(medians, src=dist.get_global_rank(group, 0) if group else 0)
     measured = [
@@ -125,12 +137,12 @@ def refine(
         for c in measured
         if c is not best
     ]
-    named = {(c.name, c.num_stages, tuple(c.split_before)) for c in measured}
-    rest = [
-        c
-        for c in (_as_candidate(plan), *plan.alternatives)
-        if (c.name, c.num_stages, tuple(c.split_before)) not in named
-    ]
+
+    def key(c: Candidate) -> tuple[str, str, int, tuple[str, ...]]:
+        return (str(c.layout or plan.mesh_layout), c.name, c.num_stages, tuple(c.split_before))
+
+    named = {key(c) for c in measured}
+    rest = [c for c in (_as_candidate(plan), *plan.alternatives) if key(c) not in named]
     return dataclasses.replace(
         plan,
         schedule=best.schedule,
@@ -140,6 +152,8 @@ def refine(
         predicted_step_time=best.predicted_step_time,
         predicted_peak_bytes=best.predicted_peak_bytes,
         measured_step_time=best.measured_step_time,
+        layout=best.layout if best.layout is not None else plan.layout,
+        state_bytes=best.state_bytes,
         alternatives=tuple(others + rest),
         balance=kept,
     )
@@ -181,11 +195,12 @@ def _rows(batch_args: tuple[Any, ...]) -> int:
     return rows
 
 
-def _candidates(plan: Plan, slack: float, rows: int) -> list[Candidate]:
-    """The plan, then per family the fastest predicted within `slack` of the
-    plan's prediction (per global batch when the plan was given one, else
-    per microbatch), on the plan's layout, whose microbatch count divides
-    the batch."""
+def _candidates(plan: Plan, slack: float, rows: int, other_layouts: bool = True) -> list[Candidate]:
+    """The plan, then per family (layout, stage count, split backward) the
+    fastest predicted within `slack` of the plan's prediction (per global
+    batch when the plan was given one, else per microbatch), whose
+    microbatch count divides its replica's rows; other layouts than the
+    plan's only with `other_layouts` (the job's whole world)."""
     first = _as_candidate(plan)
     if rows % plan.num_microbatches:
         raise ValueError(
@@ -201,11 +216,12 @@ def _candidates(plan: Plan, slack: float, rows: int) -> list[Candidate]:
             for c in plan.alternatives
             if c.schedule is not None
             and c.predicted_step_time > 0
-            and (c.layout or plan.mesh_layout) == plan.mesh_layout
+            and (other_layouts or (c.layout or plan.mesh_layout) == plan.mesh_layout)
         ),
         key=lambda c: per_batch(c, plan.batch_size),
     ):
-        if rows % c.num_microbatches or per_batch(c, plan.batch_size) > slack * mine:
+        replicas = (c.layout or plan.mesh_layout).replicas
+        if rows % (c.num_microbatches * replicas) or per_batch(c, plan.batch_size) > slack * mine:
             continue
         family = _family(c, plan.num_ranks)
         if family not in families:
@@ -214,17 +230,34 @@ def _candidates(plan: Plan, slack: float, rows: int) -> list[Candidate]:
     return out
 
 
-def _family(c: Candidate, num_ranks: int) -> tuple[int, bool]:
-    """Stage count, and whether the schedule splits its backward."""
+def _family(c: Candidate, num_ranks: int) -> tuple[str, int, bool]:
+    """Layout, stage count, and whether the schedule splits its backward."""
     assert c.schedule is not None
-    pp = c.layout.pp if c.layout is not None else num_ranks
-    return c.num_stages, c.schedule.splits_backward(c.num_stages, pp)
+    layout = c.layout or Layout(pp=num_ranks)
+    return str(layout), c.num_stages, c.schedule.splits_backward(c.num_stages, layout.pp)
+
+
+def _share(batch: tuple[tuple[Any, ...], Any], rows: int, layout: Layout) -> Any:
+    """This rank's replica's rows of the global batch (and target) under
+    `layout` (the mesh is pp x dp x ep x tp in rank order: a replica is the
+    ranks' index over dp x ep, the same on every pipeline rank)."""
+    if layout.replicas == 1:
+        return batch
+    share = rows // layout.replicas
+    index = (dist.get_rank() // layout.tp) % layout.replicas
+    return pytree.tree_map(
+        lambda t: (
+            t[index * share : (index + 1) * share]
+            if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == rows
+            else t
+        ),
+        batch,
+    )
 
 
 def _measure(
     runners: list[PipelineRunner],
-    batch_args: tuple[Any, ...],
-    target: Any,
+    batches: list[tuple[tuple[Any, ...], Any]],
     rounds: int,
     warmup: int,
     group: dist.ProcessGroup | None,
@@ -236,7 +269,8 @@ def _measure(
         for k in order[shift:] + order[:shift]:
             dist.barrier(group)
             start = time.perf_counter()
-            runners[k].step(*batch_args, target=target)
+            args, target = batches[k]
+            runners[k].step(*args, target=target)
             elapsed = time.perf_counter() - start
             for p in runners[k].parameters():
                 p.grad = None

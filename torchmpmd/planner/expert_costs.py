@@ -118,7 +118,12 @@ def probe(
 
 
 def over_ep(
-    prof: Profile, shares: ExpertShares, ep: int, links: LinkPrices | None, rows: float
+    prof: Profile,
+    shares: ExpertShares,
+    ep: int,
+    links: LinkPrices | None,
+    rows: float,
+    in_compute: float = 0.0,
 ) -> Profile:
     """`prof` (at `rows` rows) as one of `ep` expert-parallel ranks runs it:
     its experts' exchanges added to F and to B (and I), its experts'
@@ -132,6 +137,7 @@ def over_ep(
         for b in sizes:
             counts = links.time("all_to_all", 8.0 * ep, group_size=ep)  # the split sizes
             total += counts + 2 * links.time("all_to_all", b * factor, group_size=ep)
+            total += 3 * in_compute
         return total
 
     extra = [exchanges(s) for s in shares.routed_bytes]
@@ -143,7 +149,7 @@ def over_ep(
 
     selective = prof.selective
     if selective is not None:
-        selective = over_ep(selective, shares, ep, links, rows)
+        selective = over_ep(selective, shares, ep, links, rows, in_compute)
     forward, backward = add(prof.forward), add(prof.backward)
     assert forward is not None and backward is not None
     return dataclasses.replace(

@@ -56,6 +56,7 @@ from .candidates import (
     simplicity,
     why_not,
 )
+from .contention import contention, in_compute_cost
 from .expert_costs import ExpertShares, over_ep
 from .expert_costs import probe as probe_experts
 from .layouts import Layout, LinkPrices, StageCharges, layouts_of
@@ -155,7 +156,15 @@ def plan(
     wanted = _layouts(layouts, num_ranks, batch_size)
     notes: list[str] = []
     if links is None and (wanted is None or any(w.num_devices > w.pp for w in wanted)):
-        links = _calibrated(num_ranks, notes)
+        links = _calibrated(num_ranks, notes, _parameter_bytes(model))
+    slowdown, in_compute = 1.0, 0.0
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() == num_ranks > 1:
+        slowdown, in_compute = contention(), in_compute_cost()
+        if slowdown > 1.05:
+            notes.append(
+                f"the ranks compute {slowdown:.2f}x slower together than one alone (they share "
+                "cores or memory: measured); the profile's times are scaled by that"
+            )
     if bandwidth == latency == 0.0 and links is not None:
         send = getattr(links, "send", None)
         bandwidth = float(getattr(send, "bandwidth", 0.0) or 0.0)
@@ -171,6 +180,7 @@ def plan(
         links=links,
         optimizer_state=float(optimizer_state),
         counted=device_memory is not None,
+        in_compute=in_compute,
     )
 
     def run() -> Plan:
@@ -187,6 +197,7 @@ def plan(
             tp=(wanted is None or any(w.tp * w.ep > 1 for w in wanted), tp_plan),
             halve=batch_size is not None,
         )
+        costs = costs.slowed(slowdown)
         candidates = wanted
         if candidates is None:
             candidates = _every_layout(num_ranks, len(costs.full.units), shares, links, notes)
@@ -217,6 +228,7 @@ class _Search:
     links: LinkPrices | None
     optimizer_state: float
     counted: bool
+    in_compute: float  # seconds a collective between a stage's ops adds (`in_compute_cost`)
 
     def layout(
         self, layout: Layout, costs: RowCosts, shares: _Shares
@@ -242,9 +254,14 @@ class _Search:
                     rows = replica / m if replica else costs.rows
                     prof = costs.at(rows)
                     if shares.tensor is not None and layout.tp > 1:
-                        prof = over_tp(prof, shares.tensor, layout.tp, self.links, rows)
+                        fixed = costs.at(0.0) if costs.fixed_cost_known else None
+                        prof = over_tp(
+                            prof, shares.tensor, layout.tp, self.links, rows, fixed, self.in_compute
+                        )
                     if shares.experts is not None:
-                        prof = over_ep(prof, shares.experts, layout.ep, self.links, rows)
+                        prof = over_ep(
+                            prof, shares.experts, layout.ep, self.links, rows, self.in_compute
+                        )
                     for policy in policies(cls, stages, m, layout.pp, self.limits[0], prof):
                         out.append(
                             weigh(cls, stages, m, layout, prof, policy, self.limits, charges)
@@ -342,15 +359,22 @@ def _every_layout(
     return layouts_of(num_ranks, max_pp=units, tp_sizes=tps, ep_sizes=eps)
 
 
-def _calibrated(num_ranks: int, notes: list[str]) -> LinkPrices | None:
-    """The default process group's links, calibrated on every rank; None
-    (and a note) without one."""
+def _parameter_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _calibrated(num_ranks: int, notes: list[str], gradients: int) -> LinkPrices | None:
+    """The default process group's links, calibrated on every rank (up to
+    the size of the model's gradients, clamped to 8-128 MiB: a fit from
+    small messages misses what a cache-sized buffer hides); None (and a
+    note) without one."""
     if num_ranks == 1:
         return None
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() == num_ranks:
-        from .links import calibrate
+        from .links import DEFAULT_SIZES, calibrate
 
-        return calibrate()
+        largest = min(max(gradients, 8 << 20), 128 << 20)
+        return calibrate(sizes=(*DEFAULT_SIZES, largest))
     notes.append(
         "collectives not priced (no process group of num_ranks ranks to calibrate, no links "
         "given): layouts with dp or tp not weighed; call it under torchrun on every rank, or "

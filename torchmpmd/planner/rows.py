@@ -63,6 +63,13 @@ class RowCosts:
         half = self.half if self.fixed_cost_known else None
         return _at(self.full, half, self.rows, self.half_rows, rows)
 
+    def slowed(self, factor: float) -> RowCosts:
+        """These costs with every time `factor` x (bytes unchanged)."""
+        if factor == 1.0:
+            return self
+        half = None if self.half is None else _slowed(self.half, factor)
+        return RowCosts(_slowed(self.full, factor), self.rows, half, self.half_rows)
+
     def fixed(self) -> tuple[float, ...]:
         """Per unit, the fixed forward + backward cost per call (seconds)."""
         if not self.fixed_cost_known:
@@ -127,4 +134,20 @@ def _at(full: Profile, half: Profile | None, r1: int, r0: int, rows: float) -> P
             dataclasses.replace(t, bytes=round(t.bytes * factor)) for t in full.transfers
         ),
         selective=selective,
+    )
+
+
+def _slowed(prof: Profile, factor: float) -> Profile:
+    def times(values: Sequence[float] | None) -> tuple[float, ...] | None:
+        return None if values is None else tuple(v * factor for v in values)
+
+    forward, backward = times(prof.forward), times(prof.backward)
+    assert forward is not None and backward is not None
+    return dataclasses.replace(
+        prof,
+        forward=forward,
+        backward=backward,
+        input_grad=times(prof.input_grad),
+        weight_grad=times(prof.weight_grad),
+        selective=None if prof.selective is None else _slowed(prof.selective, factor),
     )

@@ -163,9 +163,19 @@ def tp_fits(shares: TensorShares, tp: int) -> str:
 
 
 def over_tp(
-    prof: Profile, shares: TensorShares, tp: int, links: LinkPrices | None, rows: float
+    prof: Profile,
+    shares: TensorShares,
+    tp: int,
+    links: LinkPrices | None,
+    rows: float,
+    fixed: Profile | None = None,
+    in_compute: float = 0.0,
 ) -> Profile:
-    """`prof` (at `rows` rows) as one of `tp` tensor-parallel ranks runs it."""
+    """`prof` (at `rows` rows) as one of `tp` tensor-parallel ranks runs it.
+    `fixed`: the same units' fixed cost per call (`RowCosts.at(0)`), which
+    sharding does not divide: each rank still dispatches every op.
+    `in_compute`: what each collective adds between a stage's ops beyond
+    its own time (`contention.in_compute_cost`, measured)."""
     if tp == 1:
         return prof
     factor = rows / shares.rows
@@ -173,12 +183,12 @@ def over_tp(
     def comm(sizes: tuple[int, ...]) -> float:
         if links is None:
             return 0.0
-        return sum(links.time("all_reduce", b * factor, group_size=tp) for b in sizes)
+        return sum(links.time("all_reduce", b * factor, group_size=tp) + in_compute for b in sizes)
 
     keep = [1.0 - c + c / tp for c in shares.compute]
     forward = [comm(b) for b in shares.forward_bytes]
     backward = [comm(b) for b in shares.backward_bytes]
-    return _scaled(prof, keep, forward, backward, shares, tp)
+    return _scaled(prof, keep, forward, backward, shares, tp, fixed)
 
 
 def _scaled(
@@ -188,14 +198,19 @@ def _scaled(
     backward: list[float],
     shares: TensorShares,
     tp: int,
+    fixed: Profile | None,
 ) -> Profile:
     def times(
-        values: Sequence[float] | None, extra: list[float] | None
+        name: str, values: Sequence[float] | None, extra: list[float] | None
     ) -> tuple[float, ...] | None:
         if values is None:
             return None
         add = extra or [0.0] * len(values)
-        return tuple(v * k + e for v, k, e in zip(values, keep, add, strict=True))
+        base = getattr(fixed, name, None) if fixed is not None else None
+        base = base if base is not None else [0.0] * len(values)
+        return tuple(
+            f + (v - f) * k + e for v, f, k, e in zip(values, base, keep, add, strict=True)
+        )
 
     held = None
     if prof.parameter_bytes is not None:
@@ -205,16 +220,17 @@ def _scaled(
         )
     selective = prof.selective
     if selective is not None:
-        selective = _scaled(selective, keep, forward, backward, shares, tp)
-    out_f = times(prof.forward, forward)
-    out_b = times(prof.backward, backward)
+        below = fixed.selective if fixed is not None else None
+        selective = _scaled(selective, keep, forward, backward, shares, tp, below)
+    out_f = times("forward", prof.forward, forward)
+    out_b = times("backward", prof.backward, backward)
     assert out_f is not None and out_b is not None
     return dataclasses.replace(
         prof,
         forward=out_f,
         backward=out_b,
-        input_grad=times(prof.input_grad, backward),
-        weight_grad=times(prof.weight_grad, None),
+        input_grad=times("input_grad", prof.input_grad, backward),
+        weight_grad=times("weight_grad", prof.weight_grad, None),
         activation_bytes=tuple(
             round(a * k) for a, k in zip(prof.activation_bytes, keep, strict=True)
         ),
