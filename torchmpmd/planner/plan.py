@@ -163,8 +163,11 @@ def plan(
         if slowdown > 1.05:
             notes.append(
                 f"the ranks compute {slowdown:.2f}x slower together than one alone (they share "
-                "cores or memory: measured); the profile's times are scaled by that"
+                "cores or memory: measured); the profile's times and the collectives beside "
+                "them (whose threads take the same cores) are scaled by that"
             )
+            if links is not None:
+                links = _Slowed(links, slowdown)
     if bandwidth == latency == 0.0 and links is not None:
         send = getattr(links, "send", None)
         bandwidth = float(getattr(send, "bandwidth", 0.0) or 0.0)
@@ -207,6 +210,22 @@ def plan(
         return _chosen(found, search_args, num_ranks, tolerance, notes, start)
 
     return on_rank_zero(run)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Slowed:
+    """Links whose collectives run `factor` x slower: the backend's threads
+    share the cores the ranks compute on (`contention`)."""
+
+    links: LinkPrices
+    factor: float
+
+    @property
+    def send(self) -> Any:
+        return getattr(self.links, "send", None)
+
+    def time(self, kind: str, nbytes: float, *, group_size: int | None = None) -> float:
+        return self.factor * self.links.time(kind, nbytes, group_size=group_size)
 
 
 class _Shares(NamedTuple):
