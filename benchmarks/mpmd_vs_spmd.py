@@ -260,10 +260,10 @@ class Config:
     predicted_s: float = math.nan
     roles: list[str] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
-    # torchmpmd: the gathered timeline's span (first task to last, the
-    # gradient collectives included), after each timed step.
-    span: Callable[[], float] | None = None
-    spans: list[float] = field(default_factory=list)
+    # torchmpmd: the runner, whose timeline splits each timed step into
+    # (before the first task, the tasks' span, after the last task).
+    runner: mpmd.PipelineRunner | None = None
+    phases: list[tuple[float, float, float]] = field(default_factory=list)
     loss: float = math.nan
 
 
@@ -443,7 +443,7 @@ def torchmpmd_configs(
             microbatches=cand.num_microbatches,
             predicted_s=cand.predicted_step_time,
             roles=[role],
-            span=lambda runner=runner: runner.gather_timeline().step_time,  # type: ignore[misc]
+            runner=runner,
         )
     return list(by_key.values()), failed
 
@@ -455,8 +455,9 @@ def measure(configs: list[Config], rounds: int, warmup: int) -> None:
     for r in range(warmup + rounds):
         for c in configs[r % n :] + configs[: r % n]:
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, t0_unix = time.perf_counter(), time.time()
             loss = c.step()
+            t1_unix = time.time()
             slowest = torch.tensor([time.perf_counter() - t0])
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             for p in c.params():
@@ -465,8 +466,26 @@ def measure(configs: list[Config], rounds: int, warmup: int) -> None:
                 c.loss = float(loss)
             if r >= warmup:
                 c.times.append(float(slowest))
-                if c.span is not None:
-                    c.spans.append(c.span())
+                if c.runner is not None:
+                    c.phases.append(_phases(c.runner, t0_unix, t1_unix))
+
+
+def _phases(runner: mpmd.PipelineRunner, t0: float, t1: float) -> tuple[float, float, float]:
+    """The step from the first rank's call to the last rank's return, in
+    three: until any rank's first task starts, the tasks' span over every
+    rank (gradient collectives included), after the last task ends (Unix
+    seconds, as the runner's timeline keeps them)."""
+    tl = runner.timeline
+    assert tl is not None
+    mine = [e for e in tl.events if e.rank == runner.rank] or tl.events
+    first = min((e.start for e in mine), default=t0)
+    last = max((e.end for e in mine), default=t1)
+    low = torch.tensor([t0, first], dtype=torch.float64)
+    high = torch.tensor([last, t1], dtype=torch.float64)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    (start, first), (last, end) = low.tolist(), high.tolist()
+    return first - start, last - first, end - last
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -599,6 +618,7 @@ def _example_rows(case: Case, world: int) -> int:
 
 
 def run_case(case: Case, args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
+    load_before = os.getloadavg()[0]
     torch.manual_seed(0)
     reference = Transformer(case.args)
     g = torch.Generator().manual_seed(1)
@@ -640,7 +660,10 @@ def run_case(case: Case, args: argparse.Namespace, rank: int, world: int) -> dic
                 "step_s": statistics.median(c.times),
                 "steps_s": c.times,
                 "predicted_s": c.predicted_s,
-                "span_s": statistics.median(c.spans) if c.spans else math.nan,
+                # Medians of (before the first task, tasks' span, after the last).
+                "phases_s": [statistics.median(p) for p in zip(*c.phases, strict=True)]
+                if c.phases
+                else [],
                 "first_loss": c.loss,
             }
         )
@@ -691,6 +714,9 @@ def run_case(case: Case, args: argparse.Namespace, rank: int, world: int) -> dic
         "build_failures": failed,
         "summary": summary,
         "memory": memory,
+        # The machine's 1-minute load average before and after (the ranks
+        # themselves add about min(nproc, cores)): other work beside the run.
+        "load": [load_before, os.getloadavg()[0]],
     }
 
 
@@ -702,25 +728,33 @@ def report(r: dict[str, Any], world: int, args: argparse.Namespace) -> None:
     s = r["summary"]
     print(
         f"\n== {r['model']} ({r['about']}; {r['parameters'] / 1e6:.2f} M parameters) on {world} "
-        f"Gloo ranks, medians of {args.rounds} rounds in turns\n"
+        f"Gloo ranks, medians of {args.rounds} rounds in turns; load average "
+        f"{r['load'][0]:.1f} before, {r['load'][1]:.1f} after\n"
         f"   plan: {r['plan']} (planned in {s['plan_s']:.1f} s)"
     )
     for note in r["notes"]:
         print(f"   note: {note}")
+    cores = os.cpu_count() or 1
+    if world > cores:
+        print(
+            f"   note: {world} ranks share {cores} cores: every rank computes at about "
+            f"{cores}/{world} of the speed the planner profiled (rank 0 alone)"
+        )
     print(
         f"   {'configuration':<50}{'step':>10}{'predicted':>11}{'pred/meas':>10}"
-        f"{'span':>10}{'/fastest':>9}{'loss gap':>10}  roles"
+        f"{'before/span/after':>22}{'/fastest':>9}{'loss gap':>9}  roles"
     )
     for row in sorted(r["rows"], key=lambda row: row["step_s"]):
         pred = row["predicted_s"]
         print(
             f"   {row['label'][:49]:<50}{row['step_s'] * 1e3:8.1f}ms"
             + (
-                f"{pred * 1e3:9.1f}ms{pred / row['step_s']:10.3f}{row['span_s'] * 1e3:8.1f}ms"
+                f"{pred * 1e3:9.1f}ms{pred / row['step_s']:10.3f}"
+                + "{:>20}ms".format("/".join(f"{t * 1e3:.0f}" for t in row["phases_s"]))
                 if pred == pred
-                else " " * 31
+                else " " * 41
             )
-            + f"{row['over_fastest']:9.3f}{row['loss_gap']:10.1e}  {', '.join(row['roles'])}"
+            + f"{row['over_fastest']:9.3f}{row['loss_gap']:9.0e}  {', '.join(row['roles'])}"
         )
     for what, err in r["build_failures"].items():
         print(f"   BUILD FAILED {what}: {err}")
@@ -796,6 +830,7 @@ def main() -> None:
                 {
                     "config": {**vars(args), "json": str(args.json)},
                     "nproc": world,
+                    "cores": os.cpu_count(),
                     "models": results,
                 },
                 indent=1,

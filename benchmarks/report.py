@@ -203,6 +203,62 @@ def expert_table(data: dict[str, Any]) -> list[str]:
     return out
 
 
+def mpmd_vs_spmd_tables(data: dict[str, Any]) -> list[str]:
+    """Per model: torch's DDP, FSDP2 and TP against torchmpmd's layouts and
+    the plan's choice, measured in turns, with the targets."""
+    cfg = data["config"]
+    world = data["nproc"]
+    out = [
+        f"### torchmpmd against torch's SPMD ({world} Gloo ranks, the same global batch, "
+        f"medians of {cfg['rounds']} rounds in turns)",
+    ]
+    for model in data["models"]:
+        s = model["summary"]
+        out += [
+            "",
+            f"{model['model']} ({model['about']}; {model['parameters'] / 1e6:.2f} M parameters): "
+            f"plan {model['plan']}, planned in {s['plan_s']:.1f} s",
+            "",
+            "| configuration | step | predicted | predicted / measured | / fastest | roles |",
+            "| --- | ---: | ---: | ---: | ---: | --- |",
+        ]
+        for r in sorted(model["rows"], key=lambda r: r["step_s"]):
+            pred = r["predicted_s"]
+            known = pred == pred  # not NaN: a torchmpmd row
+            out.append(
+                f"| {r['label']} | {r['step_s'] * 1e3:.1f} ms | "
+                + (f"{pred * 1e3:.1f} ms | {pred / r['step_s']:.3f}" if known else "- | -")
+                + f" | {r['over_fastest']:.3f} | {', '.join(r['roles'])} |"
+            )
+        for what, err in model.get("build_failures", {}).items():
+            out.append(f"| {what} | build failed: {err} | | | | |")
+        out += [
+            "",
+            "| target | value | |",
+            "| --- | ---: | --- |",
+            f"| best pipeline / best SPMD ({s['best_pipeline']} / {s['best_spmd']}) | "
+            f"{s['best_pipeline_over_best_spmd']:.3f} | |",
+            f"| plan <= 1.03 x the fastest measured ({s['fastest']}) | "
+            f"{s['plan_over_fastest']:.3f} | {_mark(s['plan_over_fastest'] <= 1.03)} |",
+            f"| Spearman, predicted vs measured, top five >= 0.8 | {s['spearman_top5']:.3f} | "
+            f"{_mark(s['spearman_top5'] >= 0.8)} |",
+            f"| largest prediction error, top five, <= 10% | {s['max_error_top5']:.1%} | "
+            f"{_mark(s['max_error_top5'] <= 0.1)} |",
+            f"| planning < 60 s | {s['plan_s']:.1f} s | {_mark(s['plan_s'] < 60)} |",
+        ]
+        mem = model.get("memory")
+        if mem and "worst_over_limit" in mem:
+            q = mem["worst_over_limit"]
+            out.append(
+                f"| device_memory = {mem['factor']} x the unlimited choice's "
+                f"({mem['limit'] / 2**20:.1f} MiB, plan {mem['layout']} {mem['schedule']}): "
+                f"measured activations + counted state <= the limit | {q:.3f} | {_mark(q <= 1)} |"
+            )
+        elif mem:
+            out.append(f"| device_memory | {mem.get('error', '')} | missed |")
+    return out
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else "out/benchmarks")
     schedules = _load(out_dir / "schedules.json")
@@ -211,6 +267,7 @@ def main() -> None:
     balance = _load(out_dir / "balance.json")
     planner = _load(out_dir / "planner.json")
     expert = _load(out_dir / "expert_parallel.json")
+    versus = [_load(out_dir / f"mpmd_vs_spmd_{n}.json") for n in (2, 4)]
     split = out_dir / "split_backward.txt"
     lines = [
         f"Machine: {platform.processor() or platform.machine()}, "
@@ -228,6 +285,9 @@ def main() -> None:
         lines += [*planner_tables(planner), ""]
     if expert:
         lines += [*expert_table(expert), ""]
+    for data in versus:
+        if data:
+            lines += [*mpmd_vs_spmd_tables(data), ""]
     if split.exists():
         lines += ["### I + W against B (one split stage, isolated)", "", "```"]
         lines += [*split.read_text().strip().splitlines(), "```", ""]
@@ -242,6 +302,7 @@ def main() -> None:
                 "balance": balance,
                 "planner": planner,
                 "expert_parallel": expert,
+                "mpmd_vs_spmd": [d for d in versus if d],
             },
             indent=1,
         )

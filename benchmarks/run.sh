@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every CPU benchmark in one go (about 15 minutes on 2 cores), side by side
+# Every CPU benchmark in one go (about 30 minutes on 2 cores), side by side
 # with torch.distributed.pipelining where it runs the same job. Writes
 # $OUT/results.json, $OUT/table.md and $OUT/timeline.png (default OUT:
 # out/benchmarks) and prints the table. Run on a quiet machine: every figure
@@ -25,6 +25,9 @@ echo "== mpmd.plan against every built-in schedule, four models (2 ranks)"
 python benchmarks/planner.py --rounds 25 --json "$OUT/planner.json" 2>&1 | quiet
 echo "== expert parallelism against replicated experts (4 ranks)"
 python benchmarks/expert_parallel.py --rounds 9 --json "$OUT/expert_parallel.json" 2>&1 | quiet
+echo "== torchmpmd against torch's DDP, FSDP2 and TP, three models (2 and 4 ranks)"
+python benchmarks/mpmd_vs_spmd.py --nproc 2 --rounds 9 --json "$OUT/mpmd_vs_spmd_2.json" 2>&1 | quiet
+python benchmarks/mpmd_vs_spmd.py --nproc 4 --rounds 9 --json "$OUT/mpmd_vs_spmd_4.json" 2>&1 | quiet
 echo "== I + W against B, one stage"
 python benchmarks/split_backward.py 2>&1 | quiet | tee "$OUT/split_backward.txt"
 python benchmarks/report.py "$OUT"
