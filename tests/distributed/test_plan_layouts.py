@@ -122,15 +122,14 @@ def plan_and_build(rank: int, world: int) -> dict:
         loss_fn=_loss,
         example_target=target[:2],
         repeats=2,
-        schedules=[mpmd.schedules.OneFOneB, mpmd.schedules.Interleaved1F1B],
+        schedules=[mpmd.schedules.OneFOneB],
     )
     ran = [c for c in found.alternatives if c.schedule is not None]
     layouts = {str(found.mesh_layout)} | {str(c.layout) for c in ran}
     # The plan's own choice, and the best of a few other layouts it ranked.
     built = [_step_and_compare(found, reference, idx, target, rank)]
-    for want in ("dp 4 (fsdp)", "pp 2 x dp 2 (replicate)", "pp 2 x tp 2", "dp 2 x tp 2 (fsdp)"):
-        if want == str(found.mesh_layout):
-            continue
+    wanted = ("dp 4 (fsdp)", "pp 2 x dp 2 (replicate)", "pp 2 x tp 2", "dp 2 x tp 2 (fsdp)")
+    for want in [w for w in wanted if w != str(found.mesh_layout)][:3]:
         best = next(c for c in ran if str(c.layout) == want)
         built.append(_step_and_compare(found.choose(best), reference, idx, target, rank))
     # mpmd.refine measures the close rivals of every layout on the job (each
@@ -143,7 +142,7 @@ def plan_and_build(rank: int, world: int) -> dict:
         loss_fn=_loss,
         rounds=1,
         warmup=0,
-        slack=1.15,
+        slack=1.3,
     )
     measured = [c for c in refined.alternatives if c.measured_step_time is not None]
     built.append(_step_and_compare(refined, reference, idx, target, rank))
@@ -191,11 +190,11 @@ def test_the_plan_weighs_every_layout_and_what_it_builds_trains_like_the_model()
     for want in ("dp 4 (replicate)", "dp 4 (fsdp)", "pp 2 x dp 2 (fsdp)", "pp 4", "tp 4"):
         assert want in first["layouts"], (want, first["layouts"])
     built = first["built"]
-    assert len(built) == 5 + 1 + 3, built
-    assert {"dp 4 (fsdp)", "pp 2 x dp 2 (replicate)", "pp 2 x tp 2", "dp 2 x tp 2 (fsdp)"} <= set(
-        built[:5]
-    )
-    assert set(built[6:]) == {"ep 4 (replicate)", "dp 2 x ep 2 (fsdp)", "pp 2 x ep 2 (replicate)"}
+    assert len(built) == 4 + 1 + 3, built
+    # The plan's choice and three other layouts, among them FSDP and tp.
+    assert len(set(built[:4])) == 4, built
+    assert any("tp" in b for b in built[:4]) and any("fsdp" in b for b in built[:4]), built
+    assert set(built[5:]) == {"ep 4 (replicate)", "dp 2 x ep 2 (fsdp)", "pp 2 x ep 2 (replicate)"}
     # refine measured rivals of more than one layout; every rank took rank 0's medians.
     assert all(r["refined"] == first["refined"] for r in results)
     assert len(first["refined layouts"]) >= 2, first["refined"]
