@@ -142,7 +142,7 @@ def plan_and_build(rank: int, world: int) -> dict:
         loss_fn=_loss,
         rounds=1,
         warmup=0,
-        slack=1.3,
+        slack=1.5,
     )
     measured = [c for c in refined.alternatives if c.measured_step_time is not None]
     built.append(_step_and_compare(refined, reference, idx, target, rank))
