@@ -219,19 +219,21 @@ def mpmd_vs_spmd_tables(data: dict[str, Any]) -> list[str]:
             f"{model['model']} ({model['about']}; {model['parameters'] / 1e6:.2f} M parameters): "
             f"plan {model['plan']}, planned in {s['plan_s']:.1f} s",
             "",
-            "| configuration | step | predicted | predicted / measured | / fastest | roles |",
-            "| --- | ---: | ---: | ---: | ---: | --- |",
+            "| configuration | step | predicted | predicted / measured | before / tasks / after "
+            "(ms) | / fastest | roles |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
         ]
         for r in sorted(model["rows"], key=lambda r: r["step_s"]):
             pred = r["predicted_s"]
             known = pred == pred  # not NaN: a torchmpmd row
+            phases = " / ".join(f"{t * 1e3:.0f}" for t in r.get("phases_s", [])) or "-"
             out.append(
                 f"| {r['label']} | {r['step_s'] * 1e3:.1f} ms | "
                 + (f"{pred * 1e3:.1f} ms | {pred / r['step_s']:.3f}" if known else "- | -")
-                + f" | {r['over_fastest']:.3f} | {', '.join(r['roles'])} |"
+                + f" | {phases} | {r['over_fastest']:.3f} | {', '.join(r['roles'])} |"
             )
         for what, err in model.get("build_failures", {}).items():
-            out.append(f"| {what} | build failed: {err} | | | | |")
+            out.append(f"| {what} | build failed: {err} | | | | | |")
         out += [
             "",
             "| target | value | |",

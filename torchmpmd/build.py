@@ -117,6 +117,10 @@ def runner_of(
     layout = c.layout
     if layout is not None and layout.replicas > 1:
         opts = dataclasses.replace(opts, data_parallel=layout.data_parallel)
+    if (layout is None or layout.tp == 1) and opts.tp_plan is not None:
+        # The plan weighed tp with this plan; a layout without tp has no
+        # mesh dimension for it (the runner refuses a tp_plan without one).
+        opts = dataclasses.replace(opts, tp_plan=None)
     if mesh is not None:
         return PipelineRunner(pipe, c.schedule, loss_fn=loss_fn, options=opts, mesh=mesh)
     return PipelineRunner(pipe, c.schedule, loss_fn=loss_fn, options=opts, group=group)

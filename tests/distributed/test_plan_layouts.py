@@ -78,6 +78,14 @@ def _reference(model, idx, target, m: int):
     return torch.stack(losses), grads
 
 
+def _tp_plan(model) -> dict | None:
+    """GPT-NeoX's own tp plan as the user would write it (None: the MoE)."""
+    own = getattr(model.config, "base_model_tp_plan", None)
+    if not own or not hasattr(model, "gpt_neox"):
+        return None
+    return {f"gpt_neox.{k}": v for k, v in own.items()}
+
+
 def _step_and_compare(plan: mpmd.Plan, reference, idx, target, rank: int) -> str:
     layout = plan.mesh_layout
     # This rank's replica (of dp x ep; the same on every pipeline rank).
@@ -90,7 +98,9 @@ def _step_and_compare(plan: mpmd.Plan, reference, idx, target, rank: int) -> str
         model,
         idx[shard],
         loss_fn=_loss,
-        options=mpmd.RunnerOptions(timeout=60),
+        # The tp plan given for every layout, as a user passes it once
+        # (build leaves it out where the layout has no tp).
+        options=mpmd.RunnerOptions(timeout=60, tp_plan=_tp_plan(reference)),
     )
     out = runner.step(idx[shard], target=target[shard])
     m = plan.num_microbatches
