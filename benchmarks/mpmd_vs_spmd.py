@@ -333,22 +333,6 @@ def _key(c: Candidate | mpmd.Plan) -> tuple[Any, ...]:
     )
 
 
-def _own(plan: mpmd.Plan) -> Candidate:
-    """The plan's choice as a candidate (to rank it beside the alternatives)."""
-    return Candidate(
-        name=repr(plan.schedule),
-        schedule=plan.schedule,
-        num_stages=plan.num_stages,
-        num_microbatches=plan.num_microbatches,
-        split_before=plan.split_before,
-        predicted_step_time=plan.predicted_step_time,
-        predicted_peak_bytes=plan.predicted_peak_bytes,
-        recompute=plan.recompute,
-        layout=plan.mesh_layout,
-        state_bytes=plan.state_bytes,
-    )
-
-
 def wanted_layouts(world: int) -> dict[str, mpmd.Layout]:
     """The layouts the benchmark measures beside the plan's choice."""
     out = {
@@ -366,7 +350,7 @@ def wanted_layouts(world: int) -> dict[str, mpmd.Layout]:
 def chosen_candidates(plan: mpmd.Plan, world: int) -> list[tuple[str, Candidate, bool]]:
     """(role, candidate, is the plan's own) for every torchmpmd row: the
     plan, the best of each wanted layout, the top five distinct."""
-    mine = _own(plan)
+    mine = plan.as_candidate()
     ran = [c for c in plan.alternatives if c.schedule is not None]
     ranked = sorted([mine, *ran], key=lambda c: c.predicted_step_time)
     out: list[tuple[str, Candidate, bool]] = [("plan's choice", mine, True)]

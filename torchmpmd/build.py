@@ -69,7 +69,7 @@ def build(
         )
     mesh = layout_mesh(layout, device_type)
     return runner_of(
-        _as_candidate(plan), model, batch_args, rows, loss_fn, options or RunnerOptions(), mesh
+        plan.as_candidate(), model, batch_args, rows, loss_fn, options or RunnerOptions(), mesh
     )
 
 
@@ -124,18 +124,3 @@ def runner_of(
     if mesh is not None:
         return PipelineRunner(pipe, c.schedule, loss_fn=loss_fn, options=opts, mesh=mesh)
     return PipelineRunner(pipe, c.schedule, loss_fn=loss_fn, options=opts, group=group)
-
-
-def _as_candidate(plan: Plan) -> Candidate:
-    return Candidate(
-        name=repr(plan.schedule),
-        schedule=plan.schedule,
-        num_stages=plan.num_stages,
-        num_microbatches=plan.num_microbatches,
-        split_before=plan.split_before,
-        predicted_step_time=plan.predicted_step_time,
-        predicted_peak_bytes=plan.predicted_peak_bytes,
-        recompute=plan.recompute,
-        layout=plan.layout,
-        state_bytes=plan.state_bytes,
-    )

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 
-from .build import _as_candidate, layout_mesh, runner_of
+from .build import layout_mesh, runner_of
 from .planner.candidates import Candidate, Plan, per_batch, simplicity
 from .planner.check_in import check_in
 from .planner.layouts import Layout
@@ -142,21 +142,8 @@ def refine(
         return (str(c.layout or plan.mesh_layout), c.name, c.num_stages, tuple(c.split_before))
 
     named = {key(c) for c in measured}
-    rest = [c for c in (_as_candidate(plan), *plan.alternatives) if key(c) not in named]
-    return dataclasses.replace(
-        plan,
-        schedule=best.schedule,
-        split_before=best.split_before,
-        num_microbatches=best.num_microbatches,
-        recompute=best.recompute,
-        predicted_step_time=best.predicted_step_time,
-        predicted_peak_bytes=best.predicted_peak_bytes,
-        measured_step_time=best.measured_step_time,
-        layout=best.layout if best.layout is not None else plan.layout,
-        state_bytes=best.state_bytes,
-        alternatives=tuple(others + rest),
-        balance=kept,
-    )
+    rest = [c for c in (plan.as_candidate(), *plan.alternatives) if key(c) not in named]
+    return plan.taking(best, tuple(others + rest), kept)
 
 
 def _check_in(
@@ -201,7 +188,7 @@ def _candidates(plan: Plan, slack: float, rows: int, other_layouts: bool = True)
     batch when the plan was given one, else per microbatch), whose
     microbatch count divides its replica's rows; other layouts than the
     plan's only with `other_layouts` (the job's whole world)."""
-    first = _as_candidate(plan)
+    first = plan.as_candidate()
     if rows % plan.num_microbatches:
         raise ValueError(
             f"mpmd.refine: the batch has {rows} rows, which do not divide into the plan's "

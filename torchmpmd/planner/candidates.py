@@ -75,16 +75,10 @@ class Plan:
         """The layout, pp = num_ranks when the plan weighed the pipeline alone."""
         return self.layout if self.layout is not None else Layout(pp=self.num_ranks)
 
-    def choose(self, candidate: Candidate) -> Plan:
-        """This plan with `candidate` (one of `alternatives`) as its choice,
-        the plan's own choice among the alternatives: to run the second
-        best, or a layout the planner ranked lower, with `mpmd.build`."""
-        if candidate not in self.alternatives or candidate.schedule is None:
-            raise ValueError(
-                f"Plan.choose: {candidate.name} on {candidate.layout} is not one of this plan's "
-                "alternatives that ran; pass one of plan.alternatives whose schedule is not None"
-            )
-        mine = Candidate(
+    def as_candidate(self, rejected: str = "") -> Candidate:
+        """The plan's own choice as a `Candidate`, to rank beside its
+        alternatives (its layout spelled out)."""
+        return Candidate(
             name=repr(self.schedule),
             schedule=self.schedule,
             num_stages=self.num_stages,
@@ -93,12 +87,21 @@ class Plan:
             predicted_step_time=self.predicted_step_time,
             predicted_peak_bytes=self.predicted_peak_bytes,
             recompute=self.recompute,
+            rejected=rejected,
             measured_step_time=self.measured_step_time,
-            layout=self.layout,
+            layout=self.mesh_layout,
             state_bytes=self.state_bytes,
-            rejected="not chosen (Plan.choose)",
         )
-        others = tuple(c for c in self.alternatives if c is not candidate)
+
+    def taking(
+        self,
+        candidate: Candidate,
+        alternatives: tuple[Candidate, ...],
+        balance: Balance | None = None,
+    ) -> Plan:
+        """This plan with `candidate`'s pieces as its choice and
+        `alternatives` as the others (`choose`, `mpmd.refine`)."""
+        assert candidate.schedule is not None, "a candidate that ran has its schedule"
         return dataclasses.replace(
             self,
             schedule=candidate.schedule,
@@ -110,9 +113,22 @@ class Plan:
             measured_step_time=candidate.measured_step_time,
             layout=candidate.layout if candidate.layout is not None else self.layout,
             state_bytes=candidate.state_bytes,
-            alternatives=(mine, *others),
-            balance=None,
+            alternatives=alternatives,
+            balance=balance,
         )
+
+    def choose(self, candidate: Candidate) -> Plan:
+        """This plan with `candidate` (one of `alternatives`) as its choice,
+        the plan's own choice among the alternatives: to run the second
+        best, or a layout the planner ranked lower, with `mpmd.build`."""
+        if candidate not in self.alternatives or candidate.schedule is None:
+            raise ValueError(
+                f"Plan.choose: {candidate.name} on {candidate.layout} is not one of this plan's "
+                "alternatives that ran; pass one of plan.alternatives whose schedule is not None"
+            )
+        mine = self.as_candidate(rejected="not chosen (Plan.choose)")
+        others = tuple(c for c in self.alternatives if c is not candidate)
+        return self.taking(candidate, (mine, *others))
 
     def __repr__(self) -> str:
         measured = self.measured_step_time is not None
