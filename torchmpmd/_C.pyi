@@ -386,6 +386,7 @@ class runtime:
             stage_done: Callable[[int], None] | None = None,
             unshard: Callable[[int], None] | None = None,
             replay_rng: bool = True,
+            grads_start: Callable[[int], None] | None = None,
         ) -> None: ...
         # (kind, stage, microbatch, start_ns, end_ns, waited_ns, held_bytes,
         # kept_bytes); a fused task's kind is its action, '(0F3;3B1)OVERLAP_F_B'.

@@ -205,7 +205,8 @@ void bind_runtime(py::module_ m) {
           [](Executor& e, py::function forward, py::object input_grad,
              py::object weight_grad,
              std::map<std::pair<int32_t, int32_t>, std::vector<int64_t>> shapes,
-             py::object stage_done, py::object unshard, bool replay_rng) {
+             py::object stage_done, py::object unshard, bool replay_rng,
+             py::object grads_start) {
             runtime::StageFunctions fns =
                 wrap_functions(std::move(forward), std::move(input_grad),
                                std::move(weight_grad));
@@ -223,6 +224,12 @@ void bind_runtime(py::module_ m) {
                 call_tensors(*gather, stage);
               };
             }
+            if (!grads_start.is_none()) {
+              auto start = hold(std::move(grads_start));
+              fns.grads_start = [start](int32_t stage) {
+                call_tensors(*start, stage);
+              };
+            }
             py::gil_scoped_release release;
             e.run(fns);
           },
@@ -232,14 +239,16 @@ void bind_runtime(py::module_ m) {
           "`unshard(stage)` and `stage_done(stage)` run at the program's "
           "UNSHARD and REDUCE_grads of a local stage (its data parallelism: "
           "before its first task; after the task that finishes its weight "
-          "gradients). `replay_rng=False`: a recompute leaves the random "
+          "gradients). `grads_start(stage)` runs right before that task "
+          "(or fused part), to reduce each gradient as it becomes final. "
+          "`replay_rng=False`: a recompute leaves the random "
           "generator to the forward callable.",
           py::arg("forward"), py::arg("input_grad") = py::none(),
           py::arg("weight_grad") = py::none(),
           py::arg("shapes") =
               std::map<std::pair<int32_t, int32_t>, std::vector<int64_t>>{},
           py::arg("stage_done") = py::none(), py::arg("unshard") = py::none(),
-          py::arg("replay_rng") = true)
+          py::arg("replay_rng") = true, py::arg("grads_start") = py::none())
       .def_property_readonly("rank", &Executor::rank)
       .def_property_readonly("step_start_unix_ns",
                              &Executor::step_start_unix_ns)

@@ -86,6 +86,24 @@ Executor::Executor(int32_t rank, const schedule::Program& program,
       grad_parts_expected_[v] += n;
     }
   }
+  // The lowering puts a stage's REDUCE_grads after the task (its sends
+  // between) whose part finishes the stage's weight gradients for the step.
+  for (size_t j = 0; j < code_.size(); ++j) {
+    if (code_[j].op != Op::kReduceGrads) continue;
+    for (size_t i = j; i-- > 0;) {
+      if (code_[i].op != Op::kCompute) continue;
+      const schedule::Task::Parts parts = code_[i].task.simple_parts();
+      for (size_t k = parts.size(); k-- > 0;) {
+        const Task& part = parts.begin()[k];
+        if (part.stage == code_[j].value &&
+            schedule::info(part.kind).finishes_weight_grads) {
+          finishes_grads_.emplace(std::make_pair(i, k), part.stage);
+          break;
+        }
+      }
+      break;
+    }
+  }
   find_replies();
   for (const auto& [id, param] : tied_) {
     TORCH_CHECK(param.defined(), "torchmpmd: tied parameter ", id,
@@ -242,6 +260,10 @@ void Executor::execute(size_t pc, State& st) {
       if (later != later_needs_.end()) {
         for (const size_t r : later->second.at(k)) wait_recv(r, st, ins);
       }
+      if (st.fns->grads_start) {
+        const auto last = finishes_grads_.find({pc, k});
+        if (last != finishes_grads_.end()) grads_start(last->second, st);
+      }
       kept = run_part(task, parts.begin()[k], st);
       for (size_t j = pc + 1;
            task.fused() && j < code_.size() && code_[j].op == Op::kSend; ++j) {
@@ -298,6 +320,20 @@ int64_t Executor::run_part(const Task& task, const Task& part, State& st) {
     if (!kind.backward) kept = st.memory->of(owner);
   }
   return kept;
+}
+
+void Executor::grads_start(int32_t stage, State& st) {
+  try {
+    st.fns->grads_start(stage);
+  } catch (const std::exception& e) {
+    throw ExecutorError(c10::str("torchmpmd: rank ", rank_,
+                                 ": preparing to reduce the gradients of "
+                                 "stage ",
+                                 stage,
+                                 " as its last backward makes them (its data "
+                                 "parallelism) failed: ",
+                                 message_of(e)));
+  }
 }
 
 void Executor::collective(const Instruction& ins, State& st) {

@@ -96,6 +96,11 @@ struct StageFunctions {
   // their reduction while the rest of the schedule runs.
   std::function<void(int32_t stage)> unshard;
   std::function<void(int32_t stage)> stage_done;
+  // Optional: `grads_start(stage)` right before the task (or fused part)
+  // after which `stage_done(stage)` runs, so that the data parallelism can
+  // reduce each gradient as that last backward makes it final (DDP's
+  // overlap) instead of all of them after it.
+  std::function<void(int32_t stage)> grads_start;
   // Whether a recompute (R) replays its forward's random numbers by saving
   // and restoring the device's default generator. False when the forward
   // callable replays them itself (ranks as threads, each with a generator
@@ -202,6 +207,7 @@ class Executor {
   void reduce_tied(const schedule::Instruction& ins, State& st);
   // Runs the data-parallel collective `ins` (unshard, reduce grads).
   void collective(const schedule::Instruction& ins, State& st);
+  void grads_start(int32_t stage, State& st);
   at::Tensor take_activation(int32_t value, int32_t mb, State& st);
   at::Tensor sum_grad_parts(int32_t value, int32_t mb, State& st);
   std::string describe(const schedule::Instruction& ins) const;
@@ -229,6 +235,9 @@ class Executor {
   // Fused tasks: per part, the receives it waits on right before it runs
   // (part 0's are in needs_).
   std::map<size_t, std::vector<std::vector<size_t>>> later_needs_;
+  // (compute instruction, part) -> the stage whose weight gradients that
+  // part finishes for the step (a REDUCE_grads of it follows the task).
+  std::map<std::pair<size_t, size_t>, int32_t> finishes_grads_;
   std::map<int32_t, int32_t> activation_uses_;
   std::map<int32_t, int32_t> grad_parts_expected_;
   // (stage, microbatch) with a recompute task: their forward keeps only its

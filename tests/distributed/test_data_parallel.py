@@ -110,6 +110,10 @@ def train_on_mesh(rank: int, world: int, combos: list[tuple[str, int, str, int]]
             out = runner.step(x[shard], target=y[shard])
             what = f"{mode} {schedule_name} step {step} rank {rank}"
             _check_collectives(runner, sharded, what)
+            if mode == "replicate" and schedule_name in OVERLAPPED:
+                # Gradients leave during the backward that makes them (DDP's overlap).
+                early = out.metrics["grad_bytes_averaged_in_backward"]
+                assert 0 < early <= out.metrics["grad_bytes_averaged"], (what, out.metrics)
             torch.testing.assert_close(
                 out.loss, torch.stack(losses).mean(), rtol=1e-12, atol=1e-12, msg=what
             )
@@ -185,6 +189,12 @@ SCHEDULES = [
     ("ZBV", 4, 4),
     ("DualPipeV", 4, 8),
 ]
+
+
+# Schedules whose stages finish their weight gradients in one autograd
+# backward (B, or W without a split into branches): each gradient bucket
+# goes out as soon as that backward has made it (grads_start).
+OVERLAPPED = ("GPipe", "OneFOneB", "Eager1F1B", "Interleaved1F1B")
 
 
 def test_pipeline_times_data_parallel_replicate():

@@ -183,6 +183,14 @@ class Layout(Parallelism):
         for m in self.members:
             m.unshard(stage)
 
+    def grads_start(self, stage: int) -> None:
+        # A member that changes the gradients in its reduce_grads (tp places
+        # them) must see them before any is reduced: none early then.
+        if any(m.rewrites_grads for m in self.members):
+            return
+        for m in self.members:
+            m.grads_start(stage)
+
     def reduce_grads(self, stage: int) -> None:
         for m in self.members:
             m.reduce_grads(stage)

@@ -112,6 +112,10 @@ class Parallelism:
     # Whether the stages it runs must split their backward through autograd
     # (its stage graphs are not the traced ones).
     rewrites_stages: bool = False
+    # Whether its `reduce_grads` changes the gradients before the data
+    # parallelism reduces them (tensor parallelism places them): then none
+    # is reduced early, during the task that makes it (`grads_start`).
+    rewrites_grads: bool = False
 
     def groups(self) -> list[dist.ProcessGroup]:
         """Its process groups (their waits are bounded by the runner's timeout)."""
@@ -170,6 +174,14 @@ class Parallelism:
     def unshard(self, stage: int) -> None:
         """Before `stage`'s first task of the step (with `collectives.unshard`),
         and before split stages are first traced; gathering twice is a no-op."""
+
+    def grads_start(self, stage: int) -> None:
+        """Right before the task that finishes `stage`'s weight gradients for
+        the step (with `collectives.reduce_grads`): a parallelism may reduce
+        each gradient as that task makes it final (DDP's overlap with the
+        backward), as long as every rank of its group issues its collectives
+        in the same order. `reduce_grads(stage)` follows the task, whether
+        or not the task reached every parameter."""
 
     def reduce_grads(self, stage: int) -> None:
         """Right after the task that finishes `stage`'s weight gradients for

@@ -2,11 +2,16 @@
 stages, runs its own shard of the global batch, and the gradients are
 averaged over the data-parallel group.
 
-The averaging overlaps the schedule: the executor calls `stage_done(s)` right
-after the task that finishes stage s's weight gradients for the step (its
-last B or W), and the stage's gradients go out at once in buckets of at most
-`bucket_bytes` (one asynchronous all-reduce each), while the rank computes
-its other stages. `finish()` sends the tied parameters last, after the
+The averaging overlaps the schedule: the executor calls `grads_start(s)`
+right before the task that finishes stage s's weight gradients for the step
+(its last B or W). From then on, as in DDP, each bucket of at most
+`bucket_bytes` (the stage's parameters in reverse order, as a backward
+reaches them) goes out in one asynchronous all-reduce as soon as that task
+has accumulated the last of its gradients, in bucket order on every rank, so
+the reduction overlaps the stage's own last backward. `stage_done(s)`, right
+after the task, sends the buckets it did not reach (a parameter without a
+gradient this microbatch, a weight gradient put in place outside autograd),
+while the rank computes its other stages. `finish()` sends the tied parameters last, after the
 pipeline has summed their copies (so the average is of the sums, which is
 the sum of the averages every holder keeps), waits for every bucket and
 writes the averages back.
@@ -25,13 +30,14 @@ at construction, as DDP does, and again after `init_weights` /
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
 
 from ..graph.pipe import Pipe
 from ..schedule.program import StageCollectives
@@ -55,6 +61,24 @@ class _Bucket:
     params: list[torch.nn.Parameter]
     flat: torch.Tensor  # gradients, then one has-gradient flag per parameter
     work: dist.Work | None
+
+
+@dataclass(slots=True)
+class _Early:
+    """A stage's buckets while its last backward runs: each goes out once
+    all of its parameters' gradients are final, in order."""
+
+    stage: int
+    buckets: list[list[torch.nn.Parameter]]
+    waiting: list[int]  # per bucket, its parameters not final yet
+    where: dict[int, int]  # id(parameter) -> its bucket
+    sent: int = 0  # the buckets before it have gone out
+    handles: list[RemovableHandle] = field(default_factory=list)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
 
 
 class Replicas(Parallelism):
@@ -89,6 +113,11 @@ class Replicas(Parallelism):
         self._stage_params: dict[int, list[torch.nn.Parameter]] = {}
         self._tied: list[torch.nn.Parameter] = []
         self._buckets: list[_Bucket] = []
+        self._early: dict[int, _Early] = {}
+        # This step's bytes averaged, and those sent during the backward
+        # that made them (step_metrics).
+        self._sent_bytes = 0
+        self._sent_in_backward = 0
 
     def groups(self) -> list[dist.ProcessGroup]:
         return [self._group]
@@ -119,6 +148,22 @@ class Replicas(Parallelism):
 
     def start_step(self) -> None:
         self._buckets = []
+        self._sent_bytes = self._sent_in_backward = 0
+        self._drop_early()
+
+    def step_metrics(self) -> dict[str, Any]:
+        """The gradient bytes each rank averaged in the last step, and how
+        many of them left while the backward that made them still ran."""
+        return {
+            "grad_bytes_averaged": self._sent_bytes,
+            "grad_bytes_averaged_in_backward": self._sent_in_backward,
+        }
+
+    def _drop_early(self) -> None:
+        """Removes the hooks a failed step left."""
+        for early in self._early.values():
+            early.remove()
+        self._early = {}
 
     def after_eval(self) -> None:
         """Nothing: the replicas hold whole stages."""
@@ -126,9 +171,50 @@ class Replicas(Parallelism):
     def unshard(self, stage: int) -> None:
         """Nothing: the replicas hold whole stages."""
 
+    def grads_start(self, stage: int) -> None:
+        """Sends each bucket of `stage` as soon as the coming task has made
+        its gradients final (hooks after each gradient's accumulation)."""
+        params = self._stage_params.get(stage, [])
+        if self.size == 1 or not params:
+            return
+        buckets = _buckets(params[::-1], self.bucket_bytes)
+        early = _Early(
+            stage,
+            buckets,
+            [len(b) for b in buckets],
+            {id(p): i for i, b in enumerate(buckets) for p in b},
+        )
+        self._early[stage] = early
+        for p in params:
+            hook = p.register_post_accumulate_grad_hook  # untyped in torch
+            early.handles.append(hook(lambda param, early=early: self._final(early, param)))  # type: ignore[no-untyped-call]
+
+    def _final(self, early: _Early, p: torch.nn.Parameter) -> None:
+        i = early.where[id(p)]
+        if i < early.sent:
+            # Autograd accumulates a leaf's gradient once per backward; a
+            # second time means the task ran two, after the bucket left.
+            raise RuntimeError(
+                f"torchmpmd: a parameter of stage {early.stage} got its gradient "
+                "again after it was sent for averaging over the data-parallel "
+                "group: the task that finishes the stage's weight gradients "
+                "accumulated it twice"
+            )
+        early.waiting[i] -= 1
+        while early.sent < len(early.buckets) and early.waiting[early.sent] <= 0:
+            self._launch_bucket(early.buckets[early.sent], in_backward=True)
+            early.sent += 1
+
     def reduce_grads(self, stage: int) -> None:
-        """Starts averaging `stage`'s gradients (all of this step's are final)."""
-        self._launch(self._stage_params.get(stage, []))
+        """Starts averaging `stage`'s gradients (all of this step's are
+        final): those its last task did not send already."""
+        early = self._early.pop(stage, None)
+        if early is None:
+            self._launch(self._stage_params.get(stage, []))
+            return
+        early.remove()
+        for bucket in early.buckets[early.sent :]:
+            self._launch_bucket(bucket)
 
     def finish(self, tied: Mapping[int, torch.nn.Parameter] | None = None) -> None:
         """Averages the tied parameters, waits for every bucket, writes back.
@@ -158,18 +244,25 @@ class Replicas(Parallelism):
                             local_shard(p.grad).div_(self.divisor)
             return
         for group in _buckets(params, self.bucket_bytes):
-            parts = [
-                (
-                    local_shard(p.grad) if p.grad is not None else torch.zeros_like(local_shard(p))
-                ).reshape(-1)
-                for p in group
-            ]
-            flags = torch.tensor(
-                [p.grad is not None for p in group], dtype=parts[0].dtype, device=parts[0].device
-            )
-            flat = torch.cat([*parts, flags])
-            work = dist.all_reduce(flat, group=self._group, async_op=True)
-            self._buckets.append(_Bucket(group, flat, work))
+            self._launch_bucket(group)
+
+    def _launch_bucket(self, group: list[torch.nn.Parameter], in_backward: bool = False) -> None:
+        parts = [
+            (
+                local_shard(p.grad) if p.grad is not None else torch.zeros_like(local_shard(p))
+            ).reshape(-1)
+            for p in group
+        ]
+        flags = torch.tensor(
+            [p.grad is not None for p in group], dtype=parts[0].dtype, device=parts[0].device
+        )
+        flat = torch.cat([*parts, flags])
+        work = dist.all_reduce(flat, group=self._group, async_op=True)
+        self._buckets.append(_Bucket(group, flat, work))
+        nbytes = flat.numel() * flat.element_size()
+        self._sent_bytes += nbytes
+        if in_backward:
+            self._sent_in_backward += nbytes
 
 
 @torch.no_grad()

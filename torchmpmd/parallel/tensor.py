@@ -121,6 +121,8 @@ class TensorParallel(Parallelism):
     sums_ties = True
     # A traced stage runs its rewritten copy: split through autograd.
     rewrites_stages = True
+    # Its reduce_grads places the stage's gradients as their parameters.
+    rewrites_grads = True
 
     def __init__(
         self,

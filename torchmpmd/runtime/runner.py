@@ -182,6 +182,7 @@ class PipelineRunner:
                     fns.weight_grad,
                     shapes=batch.shapes,
                     stage_done=layout.reduce_grads if wanted and wanted.reduce_grads else None,
+                    grads_start=layout.grads_start if wanted and wanted.reduce_grads else None,
                     unshard=layout.unshard if wanted and wanted.unshard else None,
                     # Ranks as threads replay a recompute's random numbers
                     # from their own CPU generator (rank_rng.py).
