@@ -199,6 +199,11 @@ def test_the_plan_weighs_every_layout_and_what_it_builds_trains_like_the_model()
     # tp from GPT-NeoX's own plan.
     for want in ("dp 4 (replicate)", "dp 4 (fsdp)", "pp 2 x dp 2 (fsdp)", "pp 4", "tp 4"):
         assert want in first["layouts"], (want, first["layouts"])
+    # tp priced from runs on the job, each tp size weighed, beside a run without tp.
+    for tp in (2, 4):
+        assert any(n.startswith(f"tp {tp} measured on the job") for n in first["notes"]), first[
+            "notes"
+        ]
     built = first["built"]
     assert len(built) == 4 + 1 + 3, built
     # The plan's choice and three other layouts, among them FSDP and tp.

@@ -55,6 +55,9 @@ __all__ = ["Replicas", "broadcast_from_first", "local_shard"]
 
 _P = TypeVar("_P", bound=torch.Tensor)
 
+# The first bucket of a stage's gradients in its last backward (DDP's 1 MiB).
+FIRST_BUCKET_BYTES = 2**20
+
 
 @dataclass(slots=True)
 class _Bucket:
@@ -177,7 +180,11 @@ class Replicas(Parallelism):
         params = self._stage_params.get(stage, [])
         if self.size == 1 or not params:
             return
-        buckets = _buckets(params[::-1], self.bucket_bytes)
+        # As DDP's: a small first bucket (the last layers' gradients) leaves
+        # early in the backward however small the model.
+        buckets = _buckets(
+            params[::-1], self.bucket_bytes, min(self.bucket_bytes, FIRST_BUCKET_BYTES)
+        )
         early = _Early(
             stage,
             buckets,
@@ -297,15 +304,16 @@ def _write_back(bucket: _Bucket, size: int) -> None:
             local = local_shard(p)
             numel = local.numel()
             if flag:
-                mean = bucket.flat[offset : offset + numel].view_as(local) / size
+                total = bucket.flat[offset : offset + numel].view_as(local)
                 if p.grad is not None:
-                    local_shard(p.grad).copy_(mean)
-                elif isinstance(p, DTensor):
-                    p.grad = DTensor.from_local(
-                        mean.clone(), p.device_mesh, p.placements, run_check=False
-                    )
+                    torch.div(total, size, out=local_shard(p.grad))
+                    offset += numel
+                    continue
+                mean = total / size
+                if isinstance(p, DTensor):
+                    p.grad = DTensor.from_local(mean, p.device_mesh, p.placements, run_check=False)
                 else:
-                    p.grad = mean.clone()
+                    p.grad = mean
             offset += numel
 
 
@@ -315,19 +323,21 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _buckets(params: list[_P], bucket_bytes: int) -> list[list[_P]]:
+def _buckets(params: list[_P], bucket_bytes: int, first_bytes: int | None = None) -> list[list[_P]]:
     """Consecutive runs of parameters of one dtype and device, each at most
-    `bucket_bytes` (a larger parameter alone)."""
+    `bucket_bytes` (the first at most `first_bytes`; a larger parameter
+    alone)."""
     out: list[list[_P]] = []
     size = 0
     for p in params:
         nbytes = local_shard(p).numel() * p.element_size()
         last = out[-1] if out else None
+        cap = first_bytes if len(out) == 1 and first_bytes is not None else bucket_bytes
         if (
             last is None
             or last[0].dtype != p.dtype
             or last[0].device != p.device
-            or size + nbytes > bucket_bytes
+            or size + nbytes > cap
         ):
             out.append([p])
             size = nbytes

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -64,7 +64,8 @@ from .profiler import LossFn, profile
 from .results import Balance
 from .rows import RowCosts, first_rows
 from .splits import check_limits
-from .tensor_costs import TensorShares, over_tp, probe, tp_fits
+from .tensor_costs import PerCall, TensorShares, over_tp, probe, tp_fits
+from .tp_measured import per_call_costs, runs
 from .weigh import (
     batch_rows,
     check_counts,
@@ -168,6 +169,16 @@ def plan(
             )
             if links is not None:
                 links = _Slowed(links, slowdown)
+    tp_runs = runs(
+        model,
+        example_args,
+        example_kwargs,
+        (loss_fn, example_target),
+        tp_plan,
+        num_ranks,
+        wanted,
+        notes,
+    )
     if bandwidth == latency == 0.0 and links is not None:
         send = getattr(links, "send", None)
         bandwidth = float(getattr(send, "bandwidth", 0.0) or 0.0)
@@ -201,13 +212,21 @@ def plan(
             halve=batch_size is not None,
         )
         costs = costs.slowed(slowdown)
+        searching = search_args
+        if tp_runs and shares.tensor is not None:
+            searching = dataclasses.replace(
+                search_args,
+                tp_calls=per_call_costs(
+                    tp_runs, costs, shares.tensor, search_args.links, in_compute, notes
+                ),
+            )
         candidates = wanted
         if candidates is None:
             candidates = _every_layout(num_ranks, len(costs.full.units), shares, links, notes)
         found: list[tuple[Candidate, Balance | None]] = []
         for layout in candidates:
-            found += search_args.layout(layout, costs, shares)
-        return _chosen(found, search_args, num_ranks, tolerance, notes, start)
+            found += searching.layout(layout, costs, shares)
+        return _chosen(found, searching, num_ranks, tolerance, notes, start)
 
     return on_rank_zero(run)
 
@@ -248,6 +267,8 @@ class _Search:
     optimizer_state: float
     counted: bool
     in_compute: float  # seconds a collective between a stage's ops adds (`in_compute_cost`)
+    # Per tp size, each unit's cost per call under tp beyond the model (measured on the job).
+    tp_calls: Mapping[int, PerCall] = dataclasses.field(default_factory=dict)
 
     def layout(
         self, layout: Layout, costs: RowCosts, shares: _Shares
@@ -275,7 +296,14 @@ class _Search:
                     if shares.tensor is not None and layout.tp > 1:
                         fixed = costs.at(0.0) if costs.fixed_cost_known else None
                         prof = over_tp(
-                            prof, shares.tensor, layout.tp, self.links, rows, fixed, self.in_compute
+                            prof,
+                            shares.tensor,
+                            layout.tp,
+                            self.links,
+                            rows,
+                            fixed,
+                            self.in_compute,
+                            self.tp_calls.get(layout.tp),
                         )
                     if shares.experts is not None:
                         prof = over_ep(

@@ -32,7 +32,7 @@ from ..parallel.tensor_plan import TensorPlan
 from .layouts import LinkPrices
 from .results import Profile
 
-__all__ = ["TensorShares", "over_tp", "probe"]
+__all__ = ["PerCall", "TensorShares", "over_tp", "per_call", "probe"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +45,7 @@ class TensorShares:
     forward_bytes: tuple[tuple[int, ...], ...]  # each forward collective's bytes
     backward_bytes: tuple[tuple[int, ...], ...]  # each backward collective's bytes
     divisible: tuple[int, ...]  # sizes the planned dimensions divide by (gcd)
+    modules: tuple[int, ...] = ()  # planned modules per unit (outermost)
 
 
 def _unit_of(path: str, units: Sequence[str]) -> int:
@@ -66,15 +67,7 @@ def probe(
 ) -> TensorShares | None:
     """The tp shares of `model`'s units under `tp_plan` (the model's own
     when None); None when there is no plan or it names no module."""
-    try:
-        plan = TensorPlan.for_model(tp_plan, model)
-    except ValueError:
-        return None
-    styled = {
-        path: style
-        for path, m in model.named_modules()
-        if path and (style := plan.style_of(path)) is not None and style != "replicate"
-    }
+    styled = _styled(model, tp_plan)
     if not styled:
         return None
     n = len(units)
@@ -116,11 +109,12 @@ def probe(
         for key, v in counter.get_flop_counts().items()
         if key != "Global"
     }
-    compute, parameters, sizes = [], [], []
+    compute, parameters, sizes, planned_modules = [], [], [], []
     for k, u in enumerate(units):
         inside = [p for p in styled if _unit_of(p, units) == k]
         total = counts.get(u, 0)
         outer = [p for p in inside if not any(p.startswith(q + ".") for q in inside)]
+        planned_modules.append(len(outer))
         planned = sum(counts.get(p, 0) for p in outer)
         compute.append(min(planned / total, 1.0) if total else 0.0)
         own = _parameters(modules.get(u, model) if u else model)
@@ -136,7 +130,32 @@ def probe(
         forward_bytes=tuple(tuple(v) for v in fwd),
         backward_bytes=tuple(tuple(v) for v in bwd),
         divisible=divisible,
+        modules=tuple(planned_modules),
     )
+
+
+def _styled(model: torch.nn.Module, tp_plan: Mapping[str, object] | None) -> dict[str, str]:
+    """Module path -> its tp style, for the modules `tp_plan` shards."""
+    try:
+        plan = TensorPlan.for_model(tp_plan, model)
+    except ValueError:
+        return {}
+    return {
+        path: style
+        for path, _ in model.named_modules()
+        if path and (style := plan.style_of(path)) is not None and style != "replicate"
+    }
+
+
+def planned_sizes(
+    model: torch.nn.Module, tp_plan: Mapping[str, object] | None
+) -> tuple[int, ...] | None:
+    """The dimensions tp must divide under `tp_plan` (None: no plan)."""
+    styled = _styled(model, tp_plan)
+    if not styled:
+        return None
+    modules = dict(model.named_modules())
+    return tuple(sorted({n for p, st in styled.items() for n in _sharded_sizes(modules[p], st)}))
 
 
 def _parameters(module: torch.nn.Module) -> int:
@@ -170,12 +189,15 @@ def over_tp(
     rows: float,
     fixed: Profile | None = None,
     in_compute: float = 0.0,
+    measured: PerCall | None = None,
 ) -> Profile:
     """`prof` (at `rows` rows) as one of `tp` tensor-parallel ranks runs it.
     `fixed`: the same units' fixed cost per call (`RowCosts.at(0)`), which
     sharding does not divide: each rank still dispatches every op.
     `in_compute`: what each collective adds between a stage's ops beyond
-    its own time (`contention.in_compute_cost`, measured)."""
+    its own time (`contention.in_compute_cost`, measured). `measured`:
+    per unit, what a forward and a backward call cost on the job beyond all
+    that (`per_call`, from tp measured on the job)."""
     if tp == 1:
         return prof
     factor = rows / shares.rows
@@ -188,7 +210,32 @@ def over_tp(
     keep = [1.0 - c + c / tp for c in shares.compute]
     forward = [comm(b) for b in shares.forward_bytes]
     backward = [comm(b) for b in shares.backward_bytes]
+    if measured is not None:
+        forward = [t + e for t, e in zip(forward, measured.forward, strict=True)]
+        backward = [t + e for t, e in zip(backward, measured.backward, strict=True)]
     return _scaled(prof, keep, forward, backward, shares, tp, fixed)
+
+
+@dataclass(frozen=True, slots=True)
+class PerCall:
+    """Seconds each unit's forward and backward call costs under tp beyond
+    the model of `over_tp` (DTensor's dispatch, the collectives' waits on
+    the job's ranks): what tp measured on the job adds."""
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+
+
+def per_call(shares: TensorShares, extra_forward: float, extra_backward: float) -> PerCall:
+    """A whole forward's and backward's unexplained seconds under tp, spread
+    over the units by their planned modules (the work tp adds is per
+    planned module: its DTensor ops and collectives), as a cost per call."""
+    total = sum(shares.modules)
+    weights = [m / total if total else 0.0 for m in shares.modules]
+    return PerCall(
+        tuple(max(extra_forward, 0.0) * w for w in weights),
+        tuple(max(extra_backward, 0.0) * w for w in weights),
+    )
 
 
 def _scaled(

@@ -95,7 +95,8 @@ class RunnerOptions:
 
     bucket_bytes: int = 25 * 2**20
     """Largest data-parallel gradient bucket (bytes): a stage's gradients go
-    out in buckets as soon as its last backward of the step is done."""
+    out in buckets as its last backward of the step makes them final (the
+    first bucket at most 1 MiB, as DDP's)."""
 
     max_early_recvs: int = 64
     """How many receives a rank posts ahead of the task that reads them."""

@@ -287,3 +287,34 @@ def test_a_close_rival_of_another_layout_is_named_in_the_notes():
     assert "close call" in note and "pp 4" in note and "1.050x" in note
     far = [best, candidate(mpmd.Layout(pp=4), 1.2)]
     assert _close_calls(best, far, 64, 0.03) == []
+
+
+def test_tp_measured_on_the_job_is_charged_per_call_to_the_planned_modules():
+    """What a tp run exceeds its prediction by, beyond what the run without
+    tp exceeds its own by, goes to the units by their planned modules, per
+    call: at any microbatch size a call costs it once."""
+    from torchmpmd.planner.tensor_costs import TensorShares, over_tp, per_call
+    from torchmpmd.planner.tp_measured import per_call_costs
+
+    shares = TensorShares(
+        rows=8,
+        compute=(0.0, 1.0, 1.0),
+        parameters=(0.0, 1.0, 1.0),
+        forward_bytes=((), (), ()),
+        backward_bytes=((), (), ()),
+        divisible=(8,),
+        modules=(0, 3, 1),
+    )
+    costs = RowCosts(Profile.chain(["emb", "a", "b"], [0.010, 0.040, 0.040]), 8)
+    # Predicted without links: tp 2 halves a and b, forward 0.01 + 0.02 + 0.02.
+    measured = {1: (0.090 + 0.005, 0.180), 2: (0.050 + 0.005 + 0.020, 0.100 + 0.040)}
+    notes: list[str] = []
+    calls = per_call_costs(measured, costs, shares, None, 0.0, notes)
+    assert calls[2].forward == pytest.approx((0.0, 0.015, 0.005))
+    assert calls[2].backward == pytest.approx((0.0, 0.030, 0.010))
+    assert len(notes) == 1 and notes[0].startswith("tp 2 measured on the job"), notes
+    # Per call: at half the rows the compute halves, the charge does not.
+    half = over_tp(costs.at(4), shares, 2, None, 4, None, 0.0, calls[2])
+    assert half.forward == pytest.approx((0.005, 0.010 + 0.015, 0.010 + 0.005))
+    # A tp run faster than predicted charges nothing (never a discount).
+    assert per_call(shares, -0.01, 0.0).forward == (0.0, 0.0, 0.0)
