@@ -186,10 +186,12 @@ def recompute_text(recompute: dict[int, str]) -> str:
     )
 
 
-def simplicity(c: Candidate) -> tuple[int, int, int, bool, bool, int, int, float]:
+def simplicity(c: Candidate) -> tuple[int, int, int, bool, bool, int, float, int]:
     """The order among candidates the simulator cannot tell apart: fewest
     stages, no tp, no ep, replicated over FSDP, no split backward, least
-    recompute, smallest peak."""
+    recompute; then the fastest predicted (not the smallest peak: a memory
+    limit already refused what does not fit, and more microbatches for a
+    smaller peak measured slower), the smallest peak last."""
     assert c.schedule is not None
     ranks = max(c.num_stages // max(c.schedule.stages_per_rank, 1), 1)
     layout = c.layout or Layout(pp=ranks)
@@ -204,8 +206,8 @@ def simplicity(c: Candidate) -> tuple[int, int, int, bool, bool, int, int, float
         layout.data_parallel == "fsdp" and layout.replicas > 1,
         split,
         sum(2 if mode == "full" else 1 for mode in c.recompute.values()),
-        max(c.predicted_peak_bytes, default=0),
         c.predicted_step_time,
+        max(c.predicted_peak_bytes, default=0),
     )
 
 
