@@ -16,7 +16,7 @@ the schedule: data and tensor parallelism) and `checkpoint`.
 import torch  # noqa: F401  (loads libtorch before the native core)
 
 from . import _C, checkpoint, schedules, viz
-from . import tp_probe as _tp_probe  # noqa: F401  (mpmd.plan measures tp through it)
+from . import job_probe as _job_probe  # noqa: F401  (mpmd.plan steps layouts through it)
 from .build import build
 from .graph import Pipe, from_stages, mark_stage_end
 from .planner import (

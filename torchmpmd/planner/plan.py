@@ -59,13 +59,13 @@ from .candidates import (
 from .contention import contention, in_compute_cost
 from .expert_costs import ExpertShares, over_ep
 from .expert_costs import probe as probe_experts
+from .job_runs import charged, dp_per_byte, per_call_costs, runs
 from .layouts import Layout, LinkPrices, StageCharges, layouts_of
 from .profiler import LossFn, profile
 from .results import Balance
 from .rows import RowCosts, first_rows
 from .splits import check_limits
 from .tensor_costs import PerCall, TensorShares, over_tp, probe, tp_fits
-from .tp_measured import per_call_costs, runs
 from .weigh import (
     batch_rows,
     check_counts,
@@ -169,7 +169,7 @@ def plan(
             )
             if links is not None:
                 links = _Slowed(links, slowdown)
-    tp_runs = runs(
+    job_runs = runs(
         model,
         example_args,
         example_kwargs,
@@ -213,11 +213,16 @@ def plan(
         )
         costs = costs.slowed(slowdown)
         searching = search_args
-        if tp_runs and shares.tensor is not None:
+        if job_runs:
             searching = dataclasses.replace(
                 search_args,
+                dp_per_byte=dp_per_byte(job_runs[1], costs, search_args.links, num_ranks, notes),
+            )
+        if len(job_runs) > 1 and shares.tensor is not None:
+            searching = dataclasses.replace(
+                searching,
                 tp_calls=per_call_costs(
-                    tp_runs, costs, shares.tensor, search_args.links, in_compute, notes
+                    job_runs, costs, shares.tensor, search_args.links, in_compute, notes
                 ),
             )
         candidates = wanted
@@ -269,6 +274,8 @@ class _Search:
     in_compute: float  # seconds a collective between a stage's ops adds (`in_compute_cost`)
     # Per tp size, each unit's cost per call under tp beyond the model (measured on the job).
     tp_calls: Mapping[int, PerCall] = dataclasses.field(default_factory=dict)
+    # Compute seconds per gradient byte averaged (measured on the job, `job_runs.dp_per_byte`).
+    dp_per_byte: float = 0.0
 
     def layout(
         self, layout: Layout, costs: RowCosts, shares: _Shares
@@ -309,6 +316,8 @@ class _Search:
                         prof = over_ep(
                             prof, shares.experts, layout.ep, self.links, rows, self.in_compute
                         )
+                    if layout.ep == 1:
+                        prof = charged(prof, self.dp_per_byte, layout.dp, m)
                     for policy in policies(cls, stages, m, layout.pp, self.limits[0], prof):
                         out.append(
                             weigh(cls, stages, m, layout, prof, policy, self.limits, charges)

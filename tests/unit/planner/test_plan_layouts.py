@@ -293,8 +293,8 @@ def test_tp_measured_on_the_job_is_charged_per_call_to_the_planned_modules():
     """What a tp run exceeds its prediction by, beyond what the run without
     tp exceeds its own by, goes to the units by their planned modules, per
     call: at any microbatch size a call costs it once."""
+    from torchmpmd.planner.job_runs import Run, per_call_costs
     from torchmpmd.planner.tensor_costs import TensorShares, over_tp, per_call
-    from torchmpmd.planner.tp_measured import per_call_costs
 
     shares = TensorShares(
         rows=8,
@@ -307,7 +307,10 @@ def test_tp_measured_on_the_job_is_charged_per_call_to_the_planned_modules():
     )
     costs = RowCosts(Profile.chain(["emb", "a", "b"], [0.010, 0.040, 0.040]), 8)
     # Predicted without links: tp 2 halves a and b, forward 0.01 + 0.02 + 0.02.
-    measured = {1: (0.090 + 0.005, 0.180), 2: (0.050 + 0.005 + 0.020, 0.100 + 0.040)}
+    measured = {
+        1: Run(0.090 + 0.005, 0.180, 0.3),
+        2: Run(0.050 + 0.005 + 0.020, 0.100 + 0.040, 0.3),
+    }
     notes: list[str] = []
     calls = per_call_costs(measured, costs, shares, None, 0.0, notes)
     assert calls[2].forward == pytest.approx((0.0, 0.015, 0.005))
@@ -318,3 +321,30 @@ def test_tp_measured_on_the_job_is_charged_per_call_to_the_planned_modules():
     assert half.forward == pytest.approx((0.005, 0.010 + 0.015, 0.010 + 0.005))
     # A tp run faster than predicted charges nothing (never a discount).
     assert per_call(shares, -0.01, 0.0).forward == (0.0, 0.0, 0.0)
+
+
+def test_data_parallelism_measured_on_the_job_is_charged_to_the_backward_by_the_bytes_averaged():
+    """What the step without tp exceeds its compute (scaled as its forward
+    measured) and the links' price for its all-reduce by is charged per
+    gradient byte averaged to each backward call, a step's worth over its
+    microbatches, scaled to the group's ring traffic."""
+    from torchmpmd.planner.job_runs import Run, charged, dp_per_byte
+
+    prof = dataclasses.replace(
+        Profile.chain(["a", "b"], [0.010, 0.010]), parameter_bytes=(2**20, 3 * 2**20)
+    )
+    costs = RowCosts(prof, 8)
+    # Compute 1.1x the profile's (0.066 s); 14 ms more than that, no links.
+    notes: list[str] = []
+    per_byte = dp_per_byte(Run(0.022, 0.044, 0.080), costs, None, 2, notes)
+    assert per_byte * 4 * 2**20 == pytest.approx(0.014)
+    assert notes and notes[0].startswith("dp 2 measured on the job"), notes
+    two = charged(prof, per_byte, 2, 2)
+    assert two.forward == prof.forward
+    assert [b - p for b, p in zip(two.backward, prof.backward)] == pytest.approx([0.00175, 0.00525])
+    # Four replicas move 1.5x the bytes of two per byte averaged.
+    four = charged(prof, per_byte, 4, 1)
+    assert sum(four.backward) - sum(prof.backward) == pytest.approx(1.5 * 0.014)
+    assert charged(prof, per_byte, 1, 1) is prof  # nothing averaged
+    # A step faster than its prediction charges nothing.
+    assert dp_per_byte(Run(0.022, 0.044, 0.050), costs, None, 2, []) == 0.0
