@@ -8,9 +8,9 @@ measured 1.5-2.4x their prediction), and Gloo's threads averaging the
 gradients take the cores the backward runs on. So, before it plans,
 `mpmd.plan` steps the model here as one stage on every rank: once without
 tp (dp over every rank) and once per tp size it weighs (dp x tp), one
-microbatch of the example per replica, a warm-up and three timed steps
+microbatch of the example per replica, a warm-up and four timed steps
 each, and takes each rank's forward and backward task times from the
-runner's timeline and its whole step (the slowest rank's medians).
+runner's timeline and its whole step (the slowest rank's fastest).
 
 It lives beside `build` and `refine` because it runs the runtime, which the
 planner does not import; `mpmd.plan` finds it through `set_probe`.
@@ -19,7 +19,6 @@ planner does not import; `mpmd.plan` finds it through `set_probe`.
 from __future__ import annotations
 
 import copy
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -36,7 +35,7 @@ from .schedules import OneFOneB
 
 __all__ = ["step_layout"]
 
-_STEPS = 3  # timed, after one warm-up step
+_STEPS = 4  # timed, after one warm-up step
 
 
 def step_layout(
@@ -50,7 +49,8 @@ def step_layout(
 ) -> Run:
     """The forward, backward and step seconds of `model` as one stage on a
     (pp 1, dp world / tp, tp) mesh of every rank, one microbatch of the
-    example per replica: the slowest rank's medians. A collective."""
+    example per replica: the slowest rank's fastest of four steps (as
+    `calibrate` takes the collectives': the least disturbed). A collective."""
     from .planner import trace
 
     world = dist.get_world_size()
@@ -87,7 +87,7 @@ def step_layout(
             elif task.kind == "B":
                 backward.append(task.end - task.start)
     mine = torch.tensor(
-        [statistics.median(forward), statistics.median(backward), statistics.median(steps[1:])],
+        [min(forward), min(backward), min(steps[1:])],
         dtype=torch.float64,
         device=torch.device(device_type, torch.cuda.current_device())
         if device_type == "cuda"

@@ -40,7 +40,7 @@ __all__ = ["Run", "charged", "dp_per_byte", "per_call_costs", "runs", "set_probe
 
 
 class Run(NamedTuple):
-    """One layout's step measured on the job: the slowest rank's medians."""
+    """One layout's step measured on the job: the slowest rank's fastest."""
 
     forward: float  # seconds of the stage's F task
     backward: float  # of its B task
