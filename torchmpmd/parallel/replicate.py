@@ -11,10 +11,10 @@ has accumulated the last of its gradients, in bucket order on every rank, so
 the reduction overlaps the stage's own last backward. `stage_done(s)`, right
 after the task, sends the buckets it did not reach (a parameter without a
 gradient this microbatch, a weight gradient put in place outside autograd),
-while the rank computes its other stages. `finish()` sends the tied parameters last, after the
-pipeline has summed their copies (so the average is of the sums, which is
-the sum of the averages every holder keeps), waits for every bucket and
-writes the averages back.
+while the rank computes its other stages. `finish()` sends the tied
+parameters last, after the pipeline has summed their copies (so the average
+is of the sums, which is the sum of the averages every holder keeps), waits
+for every bucket and writes the averages back.
 
 A bucket carries one flag per parameter besides the gradients: a parameter
 no rank computed a gradient for (an unused MoE expert everywhere) keeps
@@ -77,6 +77,7 @@ class _Early:
     where: dict[int, int]  # id(parameter) -> its bucket
     sent: int = 0  # the buckets before it have gone out
     handles: list[RemovableHandle] = field(default_factory=list)
+    final: set[int] = field(default_factory=set)  # id(parameter) of those counted
 
     def remove(self) -> None:
         for h in self.handles:
@@ -207,6 +208,9 @@ class Replicas(Parallelism):
                 "group: the task that finishes the stage's weight gradients "
                 "accumulated it twice"
             )
+        if id(p) in early.final:
+            return  # accumulated again before its bucket left: it reads the sum
+        early.final.add(id(p))
         early.waiting[i] -= 1
         while early.sent < len(early.buckets) and early.waiting[early.sent] <= 0:
             self._launch_bucket(early.buckets[early.sent], in_backward=True)
