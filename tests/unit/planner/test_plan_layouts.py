@@ -341,7 +341,8 @@ def test_data_parallelism_measured_on_the_job_is_charged_to_the_backward_by_the_
     assert notes and notes[0].startswith("dp 2 measured on the job"), notes
     two = charged(prof, per_byte, 2, 2)
     assert two.forward == prof.forward
-    assert [b - p for b, p in zip(two.backward, prof.backward)] == pytest.approx([0.00175, 0.00525])
+    added = [b - p for b, p in zip(two.backward, prof.backward, strict=True)]
+    assert added == pytest.approx([0.00175, 0.00525])
     # Four replicas move 1.5x the bytes of two per byte averaged.
     four = charged(prof, per_byte, 4, 1)
     assert sum(four.backward) - sum(prof.backward) == pytest.approx(1.5 * 0.014)
