@@ -70,8 +70,8 @@ def runs(
     notes: list[str],
 ) -> dict[int, Run]:
     """{tp size: its run}, tp 1 (dp over every rank) first; {} outside a job
-    of `num_ranks` ranks, where no layout with replicas or tp is weighed, or
-    for a model without real weights. A collective: every rank calls it
+    of `num_ranks` ranks, where no layout with tp or with replicas and no ep
+    is weighed, or for a model without real weights. A collective: every rank calls it
     with the same arguments."""
     if not _probe or not (dist.is_available() and dist.is_initialized()):
         return {}
@@ -84,7 +84,9 @@ def runs(
         for t in sorted(weighed)
         if t > 1 and sizes is not None and num_ranks % t == 0 and all(n % t == 0 for n in sizes)
     ]
-    if wanted is not None and not tps and all(w.replicas == 1 for w in wanted):
+    # The dp charge goes to layouts with replicas and no ep (the experts'
+    # own averaging is priced apart): nothing to measure without one.
+    if wanted is not None and not tps and not any(w.replicas > 1 and w.ep == 1 for w in wanted):
         return {}
     if any(p.is_meta for p in model.parameters()):
         notes.append(
