@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import init_device_mesh
 
+from .planner import trace
 from .planner.job_runs import Run, set_probe
 from .planner.layouts import Layout
 from .runtime import PipelineRunner, RunnerOptions
@@ -51,8 +52,6 @@ def step_layout(
     (pp 1, dp world / tp, tp) mesh of every rank, one microbatch of the
     example per replica: the slowest rank's fastest of four steps (as
     `calibrate` takes the collectives': the least disturbed). A collective."""
-    from .planner import trace
-
     world = dist.get_world_size()
     layout = Layout(pp=1, dp=world // tp, tp=tp)
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"

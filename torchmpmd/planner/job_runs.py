@@ -34,7 +34,7 @@ from .layouts import Layout, LinkPrices
 from .profiler import LossFn
 from .results import Profile
 from .rows import RowCosts
-from .tensor_costs import PerCall, TensorShares, over_tp, per_call, planned_sizes
+from .tensor_costs import PerCall, TensorShares, over_tp, per_call, planned_sizes, undivided
 
 __all__ = ["Run", "charged", "dp_per_byte", "per_call_costs", "runs", "set_probe"]
 
@@ -82,7 +82,7 @@ def runs(
     tps = [
         t
         for t in sorted(weighed)
-        if t > 1 and sizes is not None and num_ranks % t == 0 and all(n % t == 0 for n in sizes)
+        if t > 1 and sizes is not None and num_ranks % t == 0 and not undivided(sizes, t)
     ]
     # The dp charge goes to layouts with replicas and no ep (the experts'
     # own averaging is priced apart): nothing to measure without one.

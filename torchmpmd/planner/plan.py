@@ -217,13 +217,11 @@ def plan(
             searching = dataclasses.replace(
                 search_args,
                 dp_per_byte=dp_per_byte(job_runs[1], costs, search_args.links, num_ranks, notes),
-            )
-        if len(job_runs) > 1 and shares.tensor is not None:
-            searching = dataclasses.replace(
-                searching,
                 tp_calls=per_call_costs(
                     job_runs, costs, shares.tensor, search_args.links, in_compute, notes
-                ),
+                )
+                if shares.tensor is not None
+                else {},
             )
         candidates = wanted
         if candidates is None:

@@ -109,7 +109,7 @@ def probe(
         for key, v in counter.get_flop_counts().items()
         if key != "Global"
     }
-    compute, parameters, sizes, planned_modules = [], [], [], []
+    compute, parameters, planned_modules = [], [], []
     for k, u in enumerate(units):
         inside = [p for p in styled if _unit_of(p, units) == k]
         total = counts.get(u, 0)
@@ -120,16 +120,13 @@ def probe(
         own = _parameters(modules.get(u, model) if u else model)
         mine = sum(_parameters(modules[p]) for p in inside)
         parameters.append(min(mine / own, 1.0) if own else 0.0)
-        for p in inside:
-            sizes.extend(_sharded_sizes(modules[p], styled[p]))
-    divisible = tuple(sorted(set(sizes)))
     return TensorShares(
         rows=rows,
         compute=tuple(compute),
         parameters=tuple(parameters),
         forward_bytes=tuple(tuple(v) for v in fwd),
         backward_bytes=tuple(tuple(v) for v in bwd),
-        divisible=divisible,
+        divisible=_divisible(styled, modules),
         modules=tuple(planned_modules),
     )
 
@@ -152,10 +149,19 @@ def planned_sizes(
 ) -> tuple[int, ...] | None:
     """The dimensions tp must divide under `tp_plan` (None: no plan)."""
     styled = _styled(model, tp_plan)
-    if not styled:
-        return None
-    modules = dict(model.named_modules())
+    return _divisible(styled, dict(model.named_modules())) if styled else None
+
+
+def _divisible(
+    styled: Mapping[str, str], modules: Mapping[str, torch.nn.Module]
+) -> tuple[int, ...]:
+    """The planned modules' dimensions tp must divide (`TensorShares.divisible`)."""
     return tuple(sorted({n for p, st in styled.items() for n in _sharded_sizes(modules[p], st)}))
+
+
+def undivided(sizes: tuple[int, ...], tp: int) -> list[int]:
+    """Those of `sizes` that `tp` does not divide."""
+    return [s for s in sizes if s % tp]
 
 
 def _parameters(module: torch.nn.Module) -> int:
@@ -175,7 +181,7 @@ def _sharded_sizes(module: torch.nn.Module, style: str) -> list[int]:
 
 def tp_fits(shares: TensorShares, tp: int) -> str:
     """'' when every planned dimension divides by `tp`, else why not."""
-    bad = [s for s in shares.divisible if s % tp]
+    bad = undivided(shares.divisible, tp)
     if not bad:
         return ""
     return f"tp={tp} does not divide the planned modules' dimension {bad[0]}"
