@@ -24,7 +24,9 @@ struct Costs {
   // other); one whose parts overlap takes less, as measured.
   std::map<std::string, double> fused_time;
   // Bytes of activations one microbatch keeps alive on a stage from F until
-  // its backward; W-only bytes are what stays after I, until W.
+  // its backward; W-only bytes are what stays after I, until W (the
+  // forward's tensors W reads and the output gradients I made for it: may
+  // exceed the activation bytes).
   std::vector<int64_t> activation_bytes;
   std::vector<int64_t> weight_grad_bytes;
   // Data parallelism (ScheduleSpec::collectives), per stage or empty (free):

@@ -69,7 +69,9 @@ Timeline simulate(const Program& program, const Costs& costs) {
       const MemoryEffect effect =
           again ? kind.memory_if_recomputed : kind.memory;
       const int64_t act = costs.activation_bytes[t.stage];
-      const int64_t wbytes = std::min(costs.weight_grad_bytes[t.stage], act);
+      // What I keeps for W may exceed what F kept: I adds the output
+      // gradients W reads.
+      const int64_t wbytes = costs.weight_grad_bytes[t.stage];
       live[r] += effect.activation * act + effect.weight_only * wbytes +
                  effect.kept_inputs * kept_inputs[t.stage];
     }

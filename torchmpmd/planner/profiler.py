@@ -21,7 +21,7 @@ from ..graph.inputs import example_inputs
 from ..graph.markers import _tracing
 from ..graph.pipe import Pipe
 from .results import Profile, UnitTransfer
-from .split_profile import stage_times, storage_of
+from .split_profile import StageTimes, saved_bytes, stage_times, storage_of
 from .units import Recorder, candidate_units
 
 __all__ = ["LossFn", "profile"]
@@ -220,7 +220,9 @@ def profile(
     `loss_fn`, the last unit also computes `loss_fn(output, example_target)`
     (as the last stage does) and the backward starts from the loss;
     otherwise from gradients of ones on the model's outputs.
-    A trace of the model cut at every unit gives what crosses each cut.
+    A trace of the model cut at every unit gives what crosses each cut,
+    and the activation bytes: what each unit's traced graph saves, as the
+    runtime's stages run those graphs (the hooks' where it does not trace).
     With `split_backward`, every unit is also timed as a stage on the graphs
     the runtime runs (`split_profile`): F, B, and the split backward's I and
     W apart from B; those times are the profile's (the hooks' are kept only
@@ -272,8 +274,8 @@ def profile(
     forward, backward = _median_times(units, passes)
     activation = [sizes.saved.get(k, 0) for k in range(len(units))]
 
-    graph_times: list[tuple[float, float, float, float, int]] | None = None
-    selective_times: list[tuple[float, float, float, float, int]] | None = None
+    graph_times: list[StageTimes] | None = None
+    selective_times: list[StageTimes] | None = None
     if traced is None:  # not traceable at every unit: the bytes each unit reads
         kept = units
         transfers = tuple(
@@ -303,11 +305,20 @@ def profile(
 
     held = _parameter_bytes(model, kept, None if traced is None else traced[3])
     if graph_times is None:
+        # The bytes the runtime's stages save: their traced graphs', where
+        # the model traces at every unit (its aten ops may save more than
+        # the eager modules the hooks saw); else the hooks'.
+        graph_bytes = None
+        if traced is not None:
+            with torch.random.fork_rng(devices=prof.cuda_devices), _buffers_restored(model):
+                graph_bytes = saved_bytes(traced[3], args, kwargs, loss)
         return Profile(
             units=tuple(kept),
             forward=tuple(merged(forward)),
             backward=tuple(merged(backward)),
-            activation_bytes=tuple(int(v) for v in merged(activation)),
+            activation_bytes=tuple(
+                int(v) for v in (graph_bytes if graph_bytes is not None else merged(activation))
+            ),
             transfers=transfers,
             tied=tied,
             parameter_bytes=held,
@@ -343,20 +354,21 @@ def _parameter_bytes(
 
 def _from_stages(
     units: Sequence[str],
-    times: Sequence[tuple[float, float, float, float, int]],
+    times: Sequence[StageTimes],
     transfers: tuple[UnitTransfer, ...],
     tied: tuple[tuple[tuple[int, ...], int], ...],
-    selective: Sequence[tuple[float, float, float, float, int]] | None = None,
+    selective: Sequence[StageTimes] | None = None,
 ) -> Profile:
     return Profile(
         units=tuple(units),
-        forward=tuple(t[0] for t in times),
-        backward=tuple(t[1] for t in times),
-        activation_bytes=tuple(t[4] for t in times),
+        forward=tuple(t.forward for t in times),
+        backward=tuple(t.backward for t in times),
+        activation_bytes=tuple(t.saved_bytes for t in times),
         transfers=transfers,
         tied=tied,
-        input_grad=tuple(t[2] for t in times),
-        weight_grad=tuple(t[3] for t in times),
+        input_grad=tuple(t.input_grad for t in times),
+        weight_grad=tuple(t.weight_grad for t in times),
+        weight_grad_bytes=tuple(t.kept_for_w_bytes for t in times),
         selective=_from_stages(units, selective, transfers, tied) if selective else None,
     )
 

@@ -49,6 +49,11 @@ class Profile:
     # forward, backward (recomputing what is not kept), I, W and the bytes
     # kept. Its transfers are the same as this profile's.
     selective: Profile | None = None
+    # Bytes each unit holds from its input gradient (I) to its weight
+    # gradient (W) under the split backward: the forward's tensors W reads
+    # and the output gradients I made for it (None: not measured, half the
+    # activation bytes).
+    weight_grad_bytes: tuple[int, ...] | None = None
     # Bytes of the parameters each unit holds (a stage holds its units';
     # gradients and optimizer states follow them). None: not known.
     parameter_bytes: tuple[int, ...] | None = None
@@ -70,6 +75,7 @@ class Profile:
             "activation_bytes",
             "input_grad",
             "weight_grad",
+            "weight_grad_bytes",
             "parameter_bytes",
             "expert_bytes",
         ):

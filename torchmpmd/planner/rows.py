@@ -130,6 +130,9 @@ def _at(full: Profile, half: Profile | None, r1: int, r0: int, rows: float) -> P
             full.weight_grad, None if half is None else half.weight_grad, r1, r0, rows
         ),
         activation_bytes=tuple(round(a * factor) for a in full.activation_bytes),
+        weight_grad_bytes=None
+        if full.weight_grad_bytes is None
+        else tuple(round(a * factor) for a in full.weight_grad_bytes),
         transfers=tuple(
             dataclasses.replace(t, bytes=round(t.bytes * factor)) for t in full.transfers
         ),

@@ -20,7 +20,7 @@ import contextlib
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils.checkpoint
@@ -30,6 +30,20 @@ from ..graph.split import SplitStage, selective_recompute_context
 from ..graph.stage import as_stage
 
 __all__: list[str] = []
+
+
+class StageTimes(NamedTuple):
+    """One unit-stage measured: seconds of F, B, I and W (medians), the
+    bytes its forward saves for the backward, and the bytes I keeps for W
+    (what the stage holds between its I and its W: the forward's tensors W
+    reads and the output gradients I computed for it)."""
+
+    forward: float
+    backward: float
+    input_grad: float
+    weight_grad: float
+    saved_bytes: int
+    kept_for_w_bytes: int
 
 
 def storage_of(t: torch.Tensor) -> tuple[int, int]:
@@ -49,11 +63,11 @@ def stage_times(
     sync: Callable[[], None],
     loss: tuple[Callable[[Any, Any], torch.Tensor], Any] | None = None,
     selective: bool = False,
-) -> list[tuple[float, float, float, float, int]] | None:
+) -> list[StageTimes] | None:
     """Per stage of `pipe`: F, B, I and W seconds, each timed apart (medians
-    of `repeats`) on the stage's traced graph, as the runtime runs it, and
-    the bytes its autograd forward saves for the backward (parameters and
-    buffers apart); with `loss` (loss_fn, target) the last stage computes
+    of `repeats`) on the stage's traced graph, as the runtime runs it, the
+    bytes its autograd forward saves for the backward and those its I keeps
+    for its W (parameters and buffers apart); with `loss` (loss_fn, target) the last stage computes
     the loss too, as the runtime's last stage does. None where a stage
     cannot be split (its shapes depend on the data): such a stage runs B
     under every schedule. With `selective`, each stage runs as under
@@ -67,7 +81,7 @@ def stage_times(
     ]
     env = {n: v for n, v in zip(pipe.input_node_names, flat, strict=True) if n is not None}
     grad_values = {t.value for t in pipe.transfers if t.requires_grad}
-    out: list[tuple[float, float, float, float, int]] = []
+    out: list[StageTimes] = []
     last = pipe.num_stages - 1
     for k, spec in enumerate(pipe.stage_specs):
         stage = pipe.stage(k)
@@ -89,6 +103,65 @@ def stage_times(
             return None
         out.append(times)
     return out
+
+
+def saved_bytes(
+    pipe: Pipe,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    loss: tuple[Callable[[Any, Any], torch.Tensor], Any] | None = None,
+) -> list[int]:
+    """Per stage of `pipe`, the bytes its traced graph's autograd forward
+    saves for the backward (parameters and buffers apart), as the runtime's
+    stages save them: the stages run one after the other on one autograd
+    graph, untimed, and a tensor two stages save counts in the first (as in
+    a stage holding both). The traced graph's aten ops may save more than
+    the eager modules do (a matmul's reshaped copies)."""
+    flat = [
+        v.contiguous() if isinstance(v, torch.Tensor) else v
+        for v in pipe.flatten_inputs(args, kwargs)
+    ]
+    env = {n: v for n, v in zip(pipe.input_node_names, flat, strict=True) if n is not None}
+    counted: set[int] = set()
+    for k in range(pipe.num_stages):
+        stage = pipe.stage(k)
+        counted |= {t.untyped_storage().data_ptr() for t in [*stage.parameters(), *stage.buffers()]}
+    out: list[int] = []
+    last = pipe.num_stages - 1
+    with torch.enable_grad():
+        for k, spec in enumerate(pipe.stage_specs):
+            saved = _Saved(counted)
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, _same):
+                outputs = pipe.stage(k)(*(env[n] for n in spec.input_names))
+                env.update(zip(spec.output_names, outputs, strict=True))
+                if k == last and loss is not None:
+                    _with_loss(pipe, spec, dict(env), loss)(outputs)
+            counted.update(saved.sizes)
+            out.append(saved.total)
+    return out
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class _Saved:
+    """Bytes of the distinct storages packed, but those in `fixed` (a
+    module's parameters and buffers, or what was counted before)."""
+
+    def __init__(self, fixed: set[int]) -> None:
+        self._fixed = fixed
+        self.sizes: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        key, size = storage_of(t)
+        if key not in self._fixed:
+            self.sizes[key] = size
+        return t
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes.values())
 
 
 def _with_loss(
@@ -122,7 +195,7 @@ def _stage_times(
     sync: Callable[[], None],
     *,
     selective: bool,
-) -> tuple[float, float, float, float, int] | None:
+) -> StageTimes | None:
     slots = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
     xs = [values[i] for i in slots]
     grad_inputs = [
@@ -154,13 +227,7 @@ def _stage_times(
     kept = [p.grad for p in params]
 
     fixed = {t.untyped_storage().data_ptr() for t in [*params, *gm.buffers()]}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        key, size = storage_of(t)
-        if key not in fixed:
-            saved[key] = size
-        return t
+    saved, for_w_saved = _Saved(fixed), _Saved(fixed)
 
     def full(count: bool = False) -> tuple[float, float]:
         leaves = [x.detach().requires_grad_(j in grad_inputs) for j, x in enumerate(xs)]
@@ -168,7 +235,7 @@ def _stage_times(
         for slot, x in zip(slots, leaves, strict=True):
             call[slot] = x
         hooks = (
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            torch.autograd.graph.saved_tensors_hooks(saved.pack, _same)
             if count
             else contextlib.nullcontext()
         )
@@ -196,15 +263,18 @@ def _stage_times(
         return forward, time.perf_counter() - start
 
     def halves(count: bool = False) -> tuple[float, float]:
-        saved = split.forward(xs)
+        kept_by_f = split.forward(xs)
         if count and selective:  # what the selective F keeps for I and W
-            for t in saved[len(tensor_outs) :]:
-                pack(t)
+            for t in kept_by_f[len(tensor_outs) :]:
+                saved.pack(t)
         sync()
         start = time.perf_counter()
-        _, for_w = split.input_grad(saved[len(tensor_outs) :], grads)
+        _, for_w = split.input_grad(kept_by_f[len(tensor_outs) :], grads)
         sync()
         middle = time.perf_counter()
+        if count:  # what the stage holds from its I to its W
+            for t in for_w:
+                for_w_saved.pack(t)
         split.weight_grad(for_w)
         sync()
         return middle - start, time.perf_counter() - middle
@@ -229,10 +299,11 @@ def _stage_times(
     finally:
         for p, g in zip(params, kept, strict=True):
             p.grad = g
-    return (
+    return StageTimes(
         statistics.median(f),
         statistics.median(b),
         statistics.median(i),
         statistics.median(w),
-        sum(saved.values()),
+        saved.total,
+        for_w_saved.total,
     )

@@ -59,6 +59,7 @@ class _Sums:
         self.e = [0, *itertools.accumulate(profile.expert_bytes or ())]
         self.i = [0.0, *itertools.accumulate(profile.input_grad or ())]
         self.w = [0.0, *itertools.accumulate(profile.weight_grad or ())]
+        self.wb = [0, *itertools.accumulate(profile.weight_grad_bytes or ())]
 
 
 class _Simulator:
@@ -113,6 +114,17 @@ class _Simulator:
         i[0] = 0.0
         return i, w
 
+    def weight_grad_bytes(self, starts: tuple[int, ...]) -> list[int] | None:
+        """Per stage, the bytes it holds from its I to its W as measured
+        (None: not measured). The first stage's I computes nothing: it
+        holds all its forward kept until its W."""
+        spans = self._spans(starts)
+        if any(len(p.wb) == 1 for p, _, _ in spans):
+            return None
+        held = [p.wb[e] - p.wb[s] for p, s, e in spans]
+        held[0] = self.stages(starts)[0][2]
+        return held
+
     def parameters(self, starts: tuple[int, ...]) -> list[tuple[int, int]]:
         """Per stage, the bytes of its parameters and, of those, its experts'."""
         bounds = [*starts, len(self.profile.units)]
@@ -132,8 +144,24 @@ class _Simulator:
                 out[self.placement[s]] += self.charges.held(nbytes, experts)
         return out
 
+    def sent(self, starts: tuple[int, ...]) -> list[int]:
+        """Per stage, the bytes of the values it sends to another rank: the
+        runtime holds them from its F until its backward (as the autograd
+        graph's outputs, or until the peer's reply proves them delivered).
+        A value read only on its own rank is not counted again: the reader's
+        profile counts it where it saves it."""
+        stage_of = [bisect.bisect_right(starts, u) - 1 for u in range(len(self.profile.units))]
+        rank = self.placement
+        out = [0] * self.n
+        for t in self.profile.transfers:
+            src = stage_of[t.src]
+            if any(rank[stage_of[d]] != rank[src] for d in t.dst):
+                out[src] += t.bytes
+        return out
+
     def costs(self, starts: tuple[int, ...]) -> Costs:
         stages = self.stages(starts)
+        sent = self.sent(starts)
         split = self.split_backward(starts)
         data: dict[str, Any] = {}
         if self.charges is not None:
@@ -147,7 +175,8 @@ class _Simulator:
             backward=[b for _, b, _ in stages],
             input_grad=split[0] if split else None,
             weight_grad=split[1] if split else None,
-            activation_bytes=[a for _, _, a in stages],
+            activation_bytes=[a + out for (_, _, a), out in zip(stages, sent, strict=True)],
+            weight_grad_bytes=self.weight_grad_bytes(starts),
             unit="s",
             bandwidth=self.bandwidth,
             latency=self.latency,

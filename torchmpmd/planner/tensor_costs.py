@@ -287,6 +287,9 @@ def _scaled(
         activation_bytes=tuple(
             round(a * k) for a, k in zip(prof.activation_bytes, keep, strict=True)
         ),
+        weight_grad_bytes=None
+        if prof.weight_grad_bytes is None
+        else tuple(round(a * k) for a, k in zip(prof.weight_grad_bytes, keep, strict=True)),
         parameter_bytes=held,
         selective=selective,
     )

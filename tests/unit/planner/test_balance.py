@@ -36,10 +36,24 @@ def _stage_sums(prof, starts):
     )
 
 
+def _sent(prof, starts, schedule, ranks):
+    """Per stage of a chain's split, the bytes it sends to another rank (the
+    runtime holds them from its forward until its backward)."""
+    rank = schedule.placement(len(starts), ranks)
+    out = [0] * len(starts)
+    for k, start in enumerate(starts[1:], 1):
+        if rank[k - 1] != rank[k]:
+            out[k - 1] += prof.cut_bytes[start - 1]
+    return out
+
+
 def _public(prof, starts, schedule, ranks):
     """Step and per-rank peak of one split, through the public API only."""
     f, b, a = _stage_sums(prof, starts)
-    costs = mpmd.Costs(forward=f, backward=b, activation_bytes=a)
+    sent = _sent(prof, starts, schedule, ranks)
+    costs = mpmd.Costs(
+        forward=f, backward=b, activation_bytes=[x + y for x, y in zip(a, sent, strict=True)]
+    )
     timeline = mpmd.compile_schedule(schedule, len(starts), ranks, costs=costs).simulate(costs)
     return timeline.step_time, timeline.peak_activation_bytes
 
@@ -266,11 +280,13 @@ def test_profile_measures_saved_activations_and_leaves_the_model_alone():
     rng = torch.get_rng_state()
     prof = profile(model, (x,), repeats=2)
     assert prof.units == ("0", "1", "2", "3")
-    # Linear saves its input (x), tanh its output, batch norm its batch mean
-    # and inverse std (its input is tanh's output, counted once), dropout its
-    # mask; never a parameter or buffer.
+    # As the traced graph the runtime runs saves them: Linear its input (x),
+    # tanh its output, batch norm its batch mean and inverse std and the
+    # copies of its running statistics it updates functionally (its input is
+    # tanh's output, counted once), dropout its mask; never a parameter or
+    # buffer.
     row = 4 * 16 * 8
-    assert prof.activation_bytes[:3] == (row, row, 2 * 16 * 8)
+    assert prof.activation_bytes[:3] == (row, row, 4 * 16 * 8)
     assert prof.activation_bytes[3] > 0
     assert all(p.grad is None for p in model.parameters())
     for k, v in model.state_dict().items():
@@ -293,8 +309,9 @@ def test_loss_is_part_of_the_last_unit():
 
     plain = profile(model, (x,), repeats=2)
     with_loss = profile(model, (x,), repeats=2, loss_fn=loss_fn, example_target=y)
-    # Recording pass, bytes pass, two timed passes; the target reaches it.
-    assert len(calls) == 4 and all(t is y for t in calls)
+    # Recording pass, bytes pass, two timed passes, the traced graphs' bytes
+    # pass; the target reaches it.
+    assert len(calls) == 5 and all(t is y for t in calls)
     # mse_loss saves its target for the backward: bytes of the last unit.
     assert with_loss.activation_bytes[-1] == plain.activation_bytes[-1] + 4 * 16 * 8
     assert with_loss.activation_bytes[:-1] == plain.activation_bytes[:-1]
