@@ -13,6 +13,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Each phase's header says when it started (seconds since the run began),
+# so that the time budget shows where it goes.
+phase() { echo "== $1 (at ${SECONDS} s)"; }
+
 fast=0
 if [ "${1:-}" = "--fast" ]; then
   fast=1
@@ -27,45 +31,46 @@ else
 fi
 
 if [ "$fast" = 0 ]; then
-  echo "== C++ core (CMake + GoogleTest, no torch)"
+  phase "C++ core (CMake + GoogleTest, no torch)"
   cmake -S . -B build/cpp -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
   cmake --build build/cpp
   ctest --test-dir build/cpp --output-on-failure --timeout 60
 
-  echo "== C++ core again under AddressSanitizer and UndefinedBehaviorSanitizer"
+  phase "C++ core again under AddressSanitizer and UndefinedBehaviorSanitizer"
   cmake -S . -B build/asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DTORCHMPMD_SANITIZE=ON >/dev/null
   cmake --build build/asan
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
     ctest --test-dir build/asan --output-on-failure --timeout 120
 
-  echo "== the extension against torch's CUDA build (compiles and links; no GPU here)"
+  phase "the extension against torch's CUDA build (compiles and links; no GPU here)"
   bash scripts/cuda_build.sh
 
-  echo "== fuzzing the schedule validator (libFuzzer, 20 s)"
+  phase "fuzzing the schedule validator (libFuzzer, 20 s)"
   cmake -S . -B build/fuzz -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DTORCHMPMD_FUZZ=ON \
     -DTORCHMPMD_BUILD_TESTS=OFF >/dev/null
   cmake --build build/fuzz
   mkdir -p build/fuzz/corpus
   build/fuzz/fuzz_lower -max_total_time=20 -print_final_stats=1 build/fuzz/corpus 2>&1 | tail -3
 elif [ -f build/cpp/CTestTestfile.cmake ]; then
-  echo "== C++ core (the existing build/cpp, rebuilt if its sources changed)"
+  phase "C++ core (the existing build/cpp, rebuilt if its sources changed)"
   cmake --build build/cpp
   ctest --test-dir build/cpp --output-on-failure --timeout 60
 else
   echo "== C++ core: skipped (build/cpp not built yet; the full run builds it)"
 fi
 
-echo "== lint and type check"
+phase "lint and type check"
 ruff check .
 ruff format --check .
 mypy  # strict, over torchmpmd/ and the native core's stub (pyproject.toml)
 find csrc tests/cpp \( -name '*.cpp' -o -name '*.h' \) -print0 | xargs -0 clang-format --dry-run -Werror
 
-echo "== Python tests"
+phase "Python tests"
 # Exit code 5 (nothing collected) fails like any other failure.
 if [ "$fast" = 1 ]; then
   python -m pytest tests -m "not slow and not multiprocess" "$@"
 else
-  # The ten slowest at the end of every full run, so that growth shows.
-  python -m pytest tests --durations=10 "$@"
+  # The 25 slowest at the end of every full run, so that growth shows.
+  python -m pytest tests --durations=25 "$@"
 fi
+phase "done"
