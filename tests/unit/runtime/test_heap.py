@@ -68,20 +68,30 @@ PAGES = 3 * 96 * 2**20 // 4096
 PINNED = {"MALLOC_TRIM_THRESHOLD_": "131072"}
 
 
-def _run(how, **env):
+def _start(how, **env):
     full = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUN"))}
     full.update(env)
-    out = subprocess.run(
+    return subprocess.Popen(
         # The child is outside pytest's filterwarnings: it refuses the runner's
         # deprecated keywords itself.
         [sys.executable, "-W", "error:PipelineRunner(:DeprecationWarning", "-c", CHILD, how],
         env=full,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=120,
-        check=True,
     )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _runs(*cases):
+    """Each (how, env) case's report, its child started at once with the
+    others (they count page faults, not time; each imports torch)."""
+    children = [_start(how, **env) for how, env in cases]
+    reports = []
+    for (how, _), child in zip(cases, children, strict=True):
+        out, err = child.communicate(timeout=120)
+        assert child.returncode == 0, (how, err)
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    return reports
 
 
 @pytest.mark.skipif(
@@ -89,18 +99,23 @@ def _run(how, **env):
     reason="glibc's malloc only",
 )
 def test_freed_memory_stays_in_the_heap():
+    none, native, called, runner, runner_off, tuned = _runs(
+        ("none", PINNED),
+        ("native", PINNED),
+        ("call", {}),
+        ("runner", {}),
+        ("runner off", {}),
+        ("call", PINNED),
+    )
     # Pages go back to the kernel and fault again under a low trim threshold...
-    assert _run("none", **PINNED)["faults"] > PAGES // 2
+    assert none["faults"] > PAGES // 2
     # ... and stay in the heap once the thresholds are fixed.
-    native = _run("native", **PINNED)
     assert native["returned"] is True
     assert native["faults"] < PAGES // 20
     # The module applies them once, where the user chose no thresholds.
-    called = _run("call")
     assert (called["returned"], called["applied"]) == (True, True)
-    assert _run("runner")["applied"] is True  # tune_cpu() before a CPU runner does
-    assert _run("runner off")["applied"] is False  # a runner alone does not
+    assert runner["applied"] is True  # tune_cpu() before a CPU runner does
+    assert runner_off["applied"] is False  # a runner alone does not
     # The user's own choice of thresholds is left alone.
-    tuned = _run("call", **PINNED)
     assert (tuned["returned"], tuned["applied"]) == (False, False)
     assert tuned["faults"] > PAGES // 2
