@@ -4,9 +4,6 @@
 # on a machine without a GPU. Nothing built here runs here: it is loaded once,
 # to check that it links against that torch. Run by scripts/test.sh (CI).
 #   CUDA_TORCH_VERSION=2.14.1  the CUDA build on this machine's disk
-#   --install-only             only set up .venv-cuda (scripts/test.sh runs it
-#                              beside the C++ builds: unpacking the wheels takes
-#                              one core for about 50 s)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,9 +19,6 @@ fi
 if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$CUDA_TORCH_VERSION' or torch.version.cuda is None)" 2>/dev/null; then
   echo "cuda_build: installing torch==$CUDA_TORCH_VERSION (CUDA build, from this machine's disk)"
   "$VENV/bin/python" -m pip install -q "torch==$CUDA_TORCH_VERSION" numpy ninja setuptools 2>&1 | grep -v "is ignored" || true
-fi
-if [ "${1:-}" = "--install-only" ]; then
-  exit 0
 fi
 "$VENV/bin/python" -c "import torch; print('cuda_build: torch', torch.__version__, 'CUDA', torch.version.cuda)"
 # Out of tree: the CPU build in torchmpmd/ stays as it is.

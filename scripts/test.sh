@@ -31,12 +31,6 @@ else
 fi
 
 if [ "$fast" = 0 ]; then
-  # The CUDA build's torch installs beside the C++ builds (one core, mostly
-  # unpacking); its compile waits for it below.
-  mkdir -p build
-  bash scripts/cuda_build.sh --install-only >build/cuda_install.log 2>&1 &
-  cuda_install=$!
-
   phase "C++ core (CMake + GoogleTest, no torch)"
   cmake -S . -B build/cpp -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
   cmake --build build/cpp
@@ -49,12 +43,6 @@ if [ "$fast" = 0 ]; then
     ctest --test-dir build/asan --output-on-failure --timeout 120
 
   phase "the extension against torch's CUDA build (compiles and links; no GPU here)"
-  wait "$cuda_install" || {
-    cat build/cuda_install.log
-    echo "test.sh: installing the CUDA build's torch failed" >&2
-    exit 1
-  }
-  cat build/cuda_install.log
   bash scripts/cuda_build.sh
 
   phase "fuzzing the schedule validator (libFuzzer, 20 s)"
