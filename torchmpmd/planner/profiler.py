@@ -21,7 +21,7 @@ from ..graph.inputs import example_inputs
 from ..graph.markers import _tracing
 from ..graph.pipe import Pipe
 from .results import Profile, UnitTransfer
-from .split_profile import StageTimes, saved_bytes, stage_times, storage_of
+from .split_profile import StageTimes, evict_caches, saved_bytes, stage_times, storage_of
 from .units import Recorder, candidate_units
 
 __all__ = ["LossFn", "profile"]
@@ -303,7 +303,9 @@ def profile(
             out[owner[k]] += v
         return out
 
-    held = _parameter_bytes(model, kept, None if traced is None else traced[3])
+    unit_params = _unit_parameters(model, kept, None if traced is None else traced[3])
+    held = tuple(sum(p.numel() * p.element_size() for p in group) for group in unit_params)
+    accumulate = _accumulate_times(unit_params, repeats, prof.sync)
     if graph_times is None:
         # The bytes the runtime's stages save: their traced graphs', where
         # the model traces at every unit (its aten ops may save more than
@@ -322,34 +324,62 @@ def profile(
             transfers=transfers,
             tied=tied,
             parameter_bytes=held,
+            accumulate=accumulate,
         )
     # Every time and activation from the traced unit-stages, as the
     # runtime runs them.
     found = _from_stages(kept, graph_times, transfers, tied, selective_times)
-    return dataclasses.replace(found, parameter_bytes=held)
+    return dataclasses.replace(found, parameter_bytes=held, accumulate=accumulate)
 
 
-def _parameter_bytes(
+def _unit_parameters(
     model: torch.nn.Module, units: Sequence[str], pipe: Pipe | None
-) -> tuple[int, ...]:
-    """The bytes of the parameters each unit holds: its stage's in the pipe
-    cut at every unit (a tied parameter in each stage that uses it, as the
-    runtime places it); untraced, its module's, and those of no unit with
-    the first."""
+) -> list[list[torch.Tensor]]:
+    """The parameters each unit holds: its stage's in the pipe cut at every
+    unit (a tied parameter in each stage that uses it, as the runtime places
+    it); untraced, its module's, and those of no unit with the first."""
     if pipe is not None and pipe.num_stages == len(units):
-        return tuple(
-            sum(p.numel() * p.element_size() for p in pipe.stage(i).parameters())
-            for i in range(pipe.num_stages)
-        )
-    held = [0] * len(units)
+        return [list(pipe.stage(i).parameters()) for i in range(pipe.num_stages)]
+    held: list[list[torch.Tensor]] = [[] for _ in units]
     for name, p in model.named_parameters():
         owner = max(
             (k for k, u in enumerate(units) if u == "" or name.startswith(u + ".")),
             default=0,
             key=lambda k: len(units[k]),
         )
-        held[owner] += p.numel() * p.element_size()
-    return tuple(held)
+        held[owner].append(p)
+    return held
+
+
+def _accumulate_times(
+    params: list[list[torch.Tensor]], repeats: int, sync: Callable[[], None]
+) -> tuple[float, ...]:
+    """Per unit, the seconds to add one microbatch's weight gradients into
+    those earlier microbatches left (`p.grad.add_(g)` per parameter, as the
+    split W and autograd's AccumulateGrad do), median of `repeats` after a
+    warm-up; the first microbatch of a step takes its gradients as they are.
+    On CPU each pass starts from cold caches, as in a step, where other
+    tasks run between two microbatches' additions."""
+    out = []
+    for group in params:
+        if not group:
+            out.append(0.0)
+            continue
+        into = [torch.zeros_like(p, memory_format=torch.preserve_format) for p in group]
+        grads = [torch.ones_like(g) for g in into]
+        times = []
+        for r in range(repeats + 1):
+            if into[0].device.type == "cpu":
+                evict_caches()
+            sync()
+            start = time.perf_counter()
+            for a, g in zip(into, grads, strict=True):
+                a.add_(g)
+            sync()
+            if r:
+                times.append(time.perf_counter() - start)
+        out.append(statistics.median(times))
+    return tuple(out)
 
 
 def _from_stages(

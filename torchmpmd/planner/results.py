@@ -54,6 +54,11 @@ class Profile:
     # and the output gradients I made for it (None: not measured, half the
     # activation bytes).
     weight_grad_bytes: tuple[int, ...] | None = None
+    # Seconds to add one microbatch's weight gradients into those of the
+    # step's earlier microbatches, per unit (the backward and W times above
+    # are a step's first, which takes its gradients as they are; None: not
+    # measured).
+    accumulate: tuple[float, ...] | None = None
     # Bytes of the parameters each unit holds (a stage holds its units';
     # gradients and optimizer states follow them). None: not known.
     parameter_bytes: tuple[int, ...] | None = None
@@ -76,6 +81,7 @@ class Profile:
             "input_grad",
             "weight_grad",
             "weight_grad_bytes",
+            "accumulate",
             "parameter_bytes",
             "expert_bytes",
         ):

@@ -152,5 +152,6 @@ def _slowed(prof: Profile, factor: float) -> Profile:
         backward=backward,
         input_grad=times(prof.input_grad),
         weight_grad=times(prof.weight_grad),
+        accumulate=times(prof.accumulate),
         selective=None if prof.selective is None else _slowed(prof.selective, factor),
     )

@@ -60,6 +60,7 @@ class _Sums:
         self.i = [0.0, *itertools.accumulate(profile.input_grad or ())]
         self.w = [0.0, *itertools.accumulate(profile.weight_grad or ())]
         self.wb = [0, *itertools.accumulate(profile.weight_grad_bytes or ())]
+        self.acc = [0.0, *itertools.accumulate(profile.accumulate or ())]
 
 
 class _Simulator:
@@ -113,6 +114,14 @@ class _Simulator:
         w[0] += i[0]
         i[0] = 0.0
         return i, w
+
+    def accumulated(self, starts: tuple[int, ...]) -> list[float]:
+        """Per stage, the seconds to add one microbatch's weight gradients
+        into those already there (0 where not measured)."""
+        acc = self._plain.acc  # the same under selective recompute
+        if len(acc) == 1:
+            return [0.0] * self.n
+        return [acc[e] - acc[s] for _, s, e in self._spans(starts)]
 
     def weight_grad_bytes(self, starts: tuple[int, ...]) -> list[int] | None:
         """Per stage, the bytes it holds from its I to its W as measured
@@ -169,12 +178,17 @@ class _Simulator:
             data["reduce_grads"] = [self.charges.reduce(p, x) for p, x in params]
             if self.charges.fsdp:
                 data["unshard"] = [self.charges.gather(p, x) for p, x in params]
+        # A step's microbatches after its first add their weight gradients
+        # into those already there: on average (m - 1) / m of an addition
+        # per backward (B, or W where it is split).
+        m = self.lowering.schedule.num_microbatches
+        acc = [(m - 1) / m * a for a in self.accumulated(starts)]
         return Costs(
             **data,
             forward=[f for f, _, _ in stages],
-            backward=[b for _, b, _ in stages],
+            backward=[b + a for (_, b, _), a in zip(stages, acc, strict=True)],
             input_grad=split[0] if split else None,
-            weight_grad=split[1] if split else None,
+            weight_grad=[w + a for w, a in zip(split[1], acc, strict=True)] if split else None,
             activation_bytes=[a + out for (_, _, a), out in zip(stages, sent, strict=True)],
             weight_grad_bytes=self.weight_grad_bytes(starts),
             unit="s",

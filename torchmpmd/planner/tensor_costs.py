@@ -271,6 +271,12 @@ def _scaled(
             round(p * (1.0 - s + s / tp))
             for p, s in zip(prof.parameter_bytes, shares.parameters, strict=True)
         )
+    # Each tp rank accumulates its shard of the planned parameters' gradients.
+    accumulate = prof.accumulate
+    if accumulate is not None:
+        accumulate = tuple(
+            a * (1.0 - s + s / tp) for a, s in zip(accumulate, shares.parameters, strict=True)
+        )
     selective = prof.selective
     if selective is not None:
         below = fixed.selective if fixed is not None else None
@@ -291,5 +297,6 @@ def _scaled(
         if prof.weight_grad_bytes is None
         else tuple(round(a * k) for a, k in zip(prof.weight_grad_bytes, keep, strict=True)),
         parameter_bytes=held,
+        accumulate=accumulate,
         selective=selective,
     )

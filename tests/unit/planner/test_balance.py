@@ -4,6 +4,7 @@ the public `compile_schedule(...).simulate()`), never lose to the even split,
 respect a memory limit, and `mpmd.trace(num_stages=N)` must give a pipe whose
 gradients equal the unpipelined model's. No assertion reads a measured time."""
 
+import dataclasses
 import itertools
 import pickle
 import random
@@ -51,8 +52,18 @@ def _public(prof, starts, schedule, ranks):
     """Step and per-rank peak of one split, through the public API only."""
     f, b, a = _stage_sums(prof, starts)
     sent = _sent(prof, starts, schedule, ranks)
+    # Each microbatch after a step's first adds its weight gradients into
+    # those already there.
+    m = schedule.num_microbatches
+    bounds = [*starts, len(prof.units)]
+    acc = [
+        (m - 1) / m * sum((prof.accumulate or [0.0] * e)[s:e])
+        for s, e in itertools.pairwise(bounds)
+    ]
     costs = mpmd.Costs(
-        forward=f, backward=b, activation_bytes=[x + y for x, y in zip(a, sent, strict=True)]
+        forward=f,
+        backward=[x + y for x, y in zip(b, acc, strict=True)],
+        activation_bytes=[x + y for x, y in zip(a, sent, strict=True)],
     )
     timeline = mpmd.compile_schedule(schedule, len(starts), ranks, costs=costs).simulate(costs)
     return timeline.step_time, timeline.peak_activation_bytes
@@ -533,3 +544,21 @@ def test_trace_rejects_num_stages_with_explicit_splits():
         mpmd.trace(model, args, schedule=S.OneFOneB(4))
     with pytest.raises(ValueError, match=r"calls mpmd.mark_stage_end"):
         mpmd.trace(MarkedMLP(16, 4), (torch.randn(2, 16),), num_stages=2)
+
+
+def test_gradients_added_into_earlier_microbatches_are_measured_and_charged():
+    # Each unit's parameters: the time to add one microbatch's gradients
+    # into those already there, measured; more for more parameters.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1024), nn.Linear(1024, 1024))
+    prof = profile(model, (torch.randn(4, 8),), repeats=3)
+    assert prof.accumulate is not None and len(prof.accumulate) == 3
+    assert prof.accumulate[2] > prof.accumulate[0] > 0
+    # The simulator charges (m - 1) of them per stage and step: none with
+    # one microbatch, the same time per step at any split of the work.
+    chain = Profile.chain(["a", "b", "c", "d"], [1.0, 1.0, 1.0, 1.0])
+    added = dataclasses.replace(chain, accumulate=(0.25, 0.25, 0.25, 0.25))
+    for m in (1, 4):
+        plain = search(chain, 2, schedule=S.GPipe(m), num_ranks=1)
+        charged = search(added, 2, schedule=S.GPipe(m), num_ranks=1)
+        assert charged.predicted_step == pytest.approx(plain.predicted_step + (m - 1) * 1.0)
