@@ -21,7 +21,14 @@ from ..graph.inputs import example_inputs
 from ..graph.markers import _tracing
 from ..graph.pipe import Pipe
 from .results import Profile, UnitTransfer
-from .split_profile import StageTimes, evict_caches, saved_bytes, stage_times, storage_of
+from .split_profile import (
+    StageTimes,
+    evict_caches,
+    evicting,
+    saved_bytes,
+    stage_times,
+    storage_of,
+)
 from .units import Recorder, candidate_units
 
 __all__ = ["LossFn", "profile"]
@@ -71,6 +78,10 @@ class _Profiler:
         self.fixed_storages = {
             t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]
         }
+
+    def cold(self) -> contextlib.AbstractContextManager[None]:
+        """Where W and gradient additions are timed from cold caches (CPU)."""
+        return contextlib.nullcontext() if self.cuda_devices else evicting()
 
     def forward(self) -> Any:
         """The model's forward, then the loss (the last stage computes it)."""
@@ -286,7 +297,11 @@ def profile(
     else:
         kept, transfers, tied, pipe = traced
         if split_backward or selective:
-            with torch.random.fork_rng(devices=prof.cuda_devices), _buffers_restored(model):
+            with (
+                torch.random.fork_rng(devices=prof.cuda_devices),
+                _buffers_restored(model),
+                prof.cold(),
+            ):
                 graph_times = stage_times(pipe, args, kwargs, repeats, prof.sync, loss)
         if selective and graph_times is not None:
             with torch.random.fork_rng(devices=prof.cuda_devices), _buffers_restored(model):
@@ -305,7 +320,8 @@ def profile(
 
     unit_params = _unit_parameters(model, kept, None if traced is None else traced[3])
     held = tuple(sum(p.numel() * p.element_size() for p in group) for group in unit_params)
-    accumulate = _accumulate_times(unit_params, repeats, prof.sync)
+    with prof.cold():
+        accumulate = _accumulate_times(unit_params, repeats, prof.sync)
     if graph_times is None:
         # The bytes the runtime's stages save: their traced graphs', where
         # the model traces at every unit (its aten ops may save more than
@@ -358,8 +374,8 @@ def _accumulate_times(
     those earlier microbatches left (`p.grad.add_(g)` per parameter, as the
     split W and autograd's AccumulateGrad do), median of `repeats` after a
     warm-up; the first microbatch of a step takes its gradients as they are.
-    On CPU each pass starts from cold caches, as in a step, where other
-    tasks run between two microbatches' additions."""
+    On CPU (within `evicting()`) each pass starts from cold caches, as in a
+    step, where other tasks run between two microbatches' additions."""
     out = []
     for group in params:
         if not group:
@@ -369,8 +385,7 @@ def _accumulate_times(
         grads = [torch.ones_like(g) for g in into]
         times = []
         for r in range(repeats + 1):
-            if into[0].device.type == "cpu":
-                evict_caches()
+            evict_caches()
             sync()
             start = time.perf_counter()
             for a, g in zip(into, grads, strict=True):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -61,15 +61,26 @@ def _last_level_cache_bytes() -> int:
 _EVICTING: list[torch.Tensor] = []
 
 
+@contextlib.contextmanager
+def evicting() -> Iterator[None]:
+    """Within it (a CPU profile), `evict_caches` writes a buffer of twice
+    the CPU's last-level cache (64-256 MiB), allocated once and freed at
+    its end; outside it (a GPU profile) `evict_caches` does nothing."""
+    size = min(max(2 * _last_level_cache_bytes(), 64 * 2**20), 256 * 2**20)
+    _EVICTING.append(torch.empty(size // 4, dtype=torch.float32))
+    try:
+        yield
+    finally:
+        _EVICTING.pop()
+
+
 def evict_caches() -> None:
-    """Writes twice the CPU's last-level cache (64-256 MiB), so that what a
-    timed pass reads next comes from memory, as in a pipeline, where other
+    """Within `evicting()`, writes its buffer, so that what a timed pass
+    reads next comes from memory, as in a pipeline, where other
     microbatches' tasks run between a stage's W and what it reads (its
     forward's tensors, the gradients it adds into)."""
-    if not _EVICTING:
-        size = min(max(2 * _last_level_cache_bytes(), 64 * 2**20), 256 * 2**20)
-        _EVICTING.append(torch.empty(size // 4, dtype=torch.float32))
-    _EVICTING[0].fill_(1.0)
+    if _EVICTING:
+        _EVICTING[-1].fill_(1.0)
 
 
 def storage_of(t: torch.Tensor) -> tuple[int, int]:
@@ -254,7 +265,6 @@ def _stage_times(
 
     fixed = {t.untyped_storage().data_ptr() for t in [*params, *gm.buffers()]}
     saved, for_w_saved = _Saved(fixed), _Saved(fixed)
-    cuda = any(x.is_cuda for x in xs) or any(p.is_cuda for p in params)
 
     def full(count: bool = False) -> tuple[float, float]:
         leaves = [x.detach().requires_grad_(j in grad_inputs) for j, x in enumerate(xs)]
@@ -302,8 +312,7 @@ def _stage_times(
         if count:  # what the stage holds from its I to its W
             for t in for_w:
                 for_w_saved.pack(t)
-        if not cuda:  # a zero-bubble W runs later, its tensors out of cache
-            evict_caches()
+        evict_caches()  # a zero-bubble W runs later, its tensors out of cache
         start = time.perf_counter()
         split.weight_grad(for_w)
         sync()
