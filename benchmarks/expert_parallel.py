@@ -99,7 +99,7 @@ def main() -> None:
                 assert mine is not None
                 spent = sum(e.duration for e in mine.events if e.kind in ("dispatch", "combine"))
                 exchange.append(spent / max(mine.step_time, 1e-9))
-    latency, bandwidth = measure_link(rank) if world == 2 else _pair_link(rank)
+    latency, bandwidth = measure_link(rank, pair=(0, 1) if world == 2 else (0, 2))
     ep = runners[ep_name]
     costs = mpmd.Costs.from_timeline(
         mpmd.Timeline.merge(timelines), ep.program.num_stages, latency=latency, bandwidth=bandwidth
@@ -145,30 +145,6 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     dist.destroy_process_group()
-
-
-def _pair_link(rank: int) -> tuple[float, float]:
-    """The link between the two pipeline ranks of the first ep coordinate
-    (global ranks 0 and 2), measured as `measure_link` does; shared by all."""
-    buf_small, buf_big = torch.zeros(64), torch.zeros(1 << 20)
-    one_way = []
-    for buf in (buf_small, buf_big):
-        samples = []
-        for _ in range(20):
-            dist.barrier()
-            t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, 2)
-                dist.recv(buf, 2)
-            elif rank == 2:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-            samples.append((time.perf_counter() - t0) / 2)
-        one_way.append(statistics.median(samples))
-    box = [one_way]
-    dist.broadcast_object_list(box, src=0)
-    small, big = box[0]
-    return small, 4 * (1 << 20) / max(big - small, 1e-9)
 
 
 if __name__ == "__main__":

@@ -30,8 +30,12 @@ def launch(main: Callable[[], None], nproc: int = 2) -> None:
     torchrun(["--standalone", f"--nproc_per_node={nproc}", sys.argv[0], *sys.argv[1:]])
 
 
-def measure_link(rank: int, repeats: int = 20) -> tuple[float, float]:
-    """Latency (s) and bandwidth (bytes/s) between the two ranks, by ping-pong."""
+def measure_link(
+    rank: int, repeats: int = 20, pair: tuple[int, int] = (0, 1)
+) -> tuple[float, float]:
+    """Latency (s) and bandwidth (bytes/s) between ranks `pair` (every rank
+    calls; the others only wait), by ping-pong; shared by all ranks."""
+    a, b = pair
     one_way = []
     for numel in (64, 1 << 20):
         buf = torch.zeros(numel)
@@ -39,12 +43,12 @@ def measure_link(rank: int, repeats: int = 20) -> tuple[float, float]:
         for _ in range(repeats):
             dist.barrier()
             t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            else:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
+            if rank == a:
+                dist.send(buf, b)
+                dist.recv(buf, b)
+            elif rank == b:
+                dist.recv(buf, a)
+                dist.send(buf, a)
             samples.append((time.perf_counter() - t0) / 2)
         one_way.append(statistics.median(samples))
     box: list[Any] = [one_way]

@@ -204,6 +204,8 @@ class schedule:
         latency: float
         bytes_per_unit: float
         overlap_comm: bool
+        comm: list[list[float]]
+        overlap_sides: bool
         def __init__(self) -> None: ...
         @staticmethod
         def uniform(
@@ -292,6 +294,8 @@ class runtime:
 
     @staticmethod
     def keep_freed_memory(mmap_threshold: int, trim_threshold: int) -> bool: ...
+    @staticmethod
+    def current_lane() -> int: ...
 
     class ProfilerContext:
         @staticmethod
@@ -387,7 +391,10 @@ class runtime:
             unshard: Callable[[int], None] | None = None,
             replay_rng: bool = True,
             grads_start: Callable[[int], None] | None = None,
+            overlap: bool = False,
         ) -> None: ...
         # (kind, stage, microbatch, start_ns, end_ns, waited_ns, held_bytes,
         # kept_bytes); a fused task's kind is its action, '(0F3;3B1)OVERLAP_F_B'.
-        def records(self) -> list[tuple[str, int, int, int, int, int, int, int]]: ...
+        def records(
+            self,
+        ) -> list[tuple[str, int, int, int, int, int, int, int, list[tuple[int, int, int]]]]: ...

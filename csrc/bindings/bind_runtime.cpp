@@ -206,12 +206,13 @@ void bind_runtime(py::module_ m) {
              py::object weight_grad,
              std::map<std::pair<int32_t, int32_t>, std::vector<int64_t>> shapes,
              py::object stage_done, py::object unshard, bool replay_rng,
-             py::object grads_start) {
+             py::object grads_start, bool overlap) {
             runtime::StageFunctions fns =
                 wrap_functions(std::move(forward), std::move(input_grad),
                                std::move(weight_grad));
             fns.shapes = std::move(shapes);
             fns.replay_rng = replay_rng;
+            fns.overlap = overlap;
             if (!stage_done.is_none()) {
               auto done = hold(std::move(stage_done));
               fns.stage_done = [done](int32_t stage) {
@@ -242,13 +243,17 @@ void bind_runtime(py::module_ m) {
           "gradients). `grads_start(stage)` runs right before that task "
           "(or fused part), to reduce each gradient as it becomes final. "
           "`replay_rng=False`: a recompute leaves the random "
-          "generator to the forward callable.",
+          "generator to the forward callable. `overlap`: a fused task of "
+          "forward and backward parts runs its two sides at once (the "
+          "forward side on a thread of its own, `current_lane()` 1), results "
+          "unchanged.",
           py::arg("forward"), py::arg("input_grad") = py::none(),
           py::arg("weight_grad") = py::none(),
           py::arg("shapes") =
               std::map<std::pair<int32_t, int32_t>, std::vector<int64_t>>{},
           py::arg("stage_done") = py::none(), py::arg("unshard") = py::none(),
-          py::arg("replay_rng") = true, py::arg("grads_start") = py::none())
+          py::arg("replay_rng") = true, py::arg("grads_start") = py::none(),
+          py::arg("overlap") = false)
       .def_property_readonly("rank", &Executor::rank)
       .def_property_readonly("step_start_unix_ns",
                              &Executor::step_start_unix_ns)
@@ -265,8 +270,10 @@ void bind_runtime(py::module_ m) {
       .def(
           "records",
           [](const Executor& e) {
-            std::vector<std::tuple<std::string, int32_t, int32_t, int64_t,
-                                   int64_t, int64_t, int64_t, int64_t>>
+            using Part = std::tuple<int64_t, int64_t, int32_t>;
+            std::vector<
+                std::tuple<std::string, int32_t, int32_t, int64_t, int64_t,
+                           int64_t, int64_t, int64_t, std::vector<Part>>>
                 out;
             for (const auto& r : e.records()) {
               // A fused task by its action, "(0F3;1B2)OVERLAP_F_B".
@@ -276,14 +283,20 @@ void bind_runtime(py::module_ m) {
                   : r.task.fused()
                       ? schedule::to_action(r.task)
                       : std::string(1, schedule::kind_letter(r.task.kind));
+              std::vector<Part> parts;
+              for (const auto& p : r.parts) {
+                parts.emplace_back(p.start_ns, p.end_ns, p.lane);
+              }
               out.emplace_back(kind, r.task.stage, r.task.microbatch,
                                r.start_ns, r.end_ns, r.waited_ns, r.held_bytes,
-                               r.kept_bytes);
+                               r.kept_bytes, std::move(parts));
             }
             return out;
           },
           "The tasks of the last run: (kind, stage, microbatch, start_ns, "
-          "end_ns, waited_ns, held_bytes, kept_bytes); bytes -1 when not "
+          "end_ns, waited_ns, held_bytes, kept_bytes, parts); parts: a fused "
+          "task's parts as they ran on CPU, (start_ns, end_ns, lane) each "
+          "in the task's order (else empty); bytes -1 when not "
           "measured. Data-parallel collectives have kind 'unshard' or "
           "'reduce_grads' and microbatch -1; a fused task has one record, "
           "with its action as kind ('(0F3;1B2)OVERLAP_F_B'), its first "
@@ -306,6 +319,12 @@ void bind_runtime(py::module_ m) {
           "fn() on the calling thread, recording into this context's "
           "profiler; the thread's own comes back afterwards.",
           py::arg("fn"));
+
+  m.def("current_lane", &runtime::current_lane,
+        "The side of a fused task the calling thread runs: 1 for the "
+        "forward parts of a fused task with forward and backward parts, 0 "
+        "otherwise (collectives inside a stage pick their process group by "
+        "it).");
 
   m.def("keep_freed_memory", &keep_freed_memory, py::arg("mmap_threshold"),
         py::arg("trim_threshold"),

@@ -164,7 +164,12 @@ void bind_schedule(py::module_ m) {
       .def_readwrite("unsharded_bytes", &Costs::unsharded_bytes)
       .def_readwrite("latency", &Costs::latency)
       .def_readwrite("bytes_per_unit", &Costs::bytes_per_unit)
-      .def_readwrite("overlap_comm", &Costs::overlap_comm);
+      .def_readwrite("overlap_comm", &Costs::overlap_comm)
+      .def_readwrite("comm", &Costs::comm,
+                     "Communication inside tasks, per kind and stage, part "
+                     "of their time")
+      .def_readwrite("overlap_sides", &Costs::overlap_sides,
+                     "A fused task's two sides run at once");
 
   py::enum_<Op>(m, "Op")
       .value("compute", Op::kCompute)

@@ -250,26 +250,25 @@ void Executor::execute(size_t pc, State& st) {
   {
     // The task's range in torch.profiler, named as errors name it; on a
     // device it holds the launches of the task's work. A fused task is one
-    // range and one record: its parts run in order inside them, each after
-    // the receives it reads (their waits inside its range) and followed by
-    // the sends of what it produced (Instruction::part), as simulate() has
-    // it.
+    // range and one record: its parts run inside them, each after the
+    // receives it reads (their waits inside its range) and followed by the
+    // sends of what it produced (Instruction::part), as simulate() has it.
     const ProfilerRange range([&] { return schedule::to_string(task); });
-    const schedule::Task::Parts parts = task.simple_parts();
-    for (size_t k = 0; k < parts.size(); ++k) {
-      if (later != later_needs_.end()) {
-        for (const size_t r : later->second.at(k)) wait_recv(r, st, ins);
-      }
-      if (st.fns->grads_start) {
-        const auto last = finishes_grads_.find({pc, k});
-        if (last != finishes_grads_.end()) grads_start(last->second, st);
-      }
-      kept = run_part(task, parts.begin()[k], st);
-      for (size_t j = pc + 1;
-           task.fused() && j < code_.size() && code_[j].op == Op::kSend; ++j) {
-        if (code_[j].part != static_cast<int32_t>(k)) continue;
-        send(code_[j], st);
-        st.issued[j] = true;
+    const std::vector<int32_t> lanes = schedule::lanes(task);
+    if (overlaps(task, lanes, st)) {
+      run_sides(pc, lanes, st);
+    } else {
+      const schedule::Task::Parts parts = task.simple_parts();
+      for (size_t k = 0; k < parts.size(); ++k) {
+        const LaneScope lane(lanes[k]);
+        before_part(pc, k, st);
+        const auto part_start = Clock::now();
+        kept = run_part(task, parts.begin()[k], st);
+        if (task.fused()) {
+          st.part_times.emplace_back(since(st, part_start),
+                                     since(st, Clock::now()), lanes[k]);
+        }
+        send_part(pc, k, st);
       }
     }
   }
@@ -288,6 +287,127 @@ void Executor::execute(size_t pc, State& st) {
        std::chrono::duration_cast<std::chrono::nanoseconds>(start - wait_start)
            .count(),
        held, kept});
+  records_.back().parts = std::move(st.part_times);
+  st.part_times.clear();
+}
+
+namespace {
+thread_local int32_t tls_lane = 0;
+}  // namespace
+
+int32_t current_lane() { return tls_lane; }
+
+LaneScope::LaneScope(int32_t lane) : before_(tls_lane) { tls_lane = lane; }
+LaneScope::~LaneScope() { tls_lane = before_; }
+
+bool Executor::overlaps(const Task& task, const std::vector<int32_t>& lanes,
+                        const State& st) const {
+  if (!st.fns->overlap || !st.fns->replay_rng || st.memory || st.device ||
+      std::count(lanes.begin(), lanes.end(), 1) == 0) {
+    return false;
+  }
+  // The sides share the device's random generator: at most one of them may
+  // draw from it (a stage not yet seen drawing nothing counts as drawing).
+  bool drawing[2] = {false, false};
+  const schedule::Task::Parts parts = task.simple_parts();
+  for (size_t k = 0; k < parts.size(); ++k) {
+    const auto d = draws_.find(parts.begin()[k].stage);
+    if (d == draws_.end() || d->second) drawing[lanes[k]] = true;
+  }
+  return !(drawing[0] && drawing[1]);
+}
+
+void Executor::before_part(size_t pc, size_t k, State& st) {
+  const auto later = later_needs_.find(pc);
+  if (later != later_needs_.end()) {
+    for (const size_t r : later->second.at(k)) wait_recv(r, st, code_[pc]);
+  }
+  if (st.fns->grads_start) {
+    const auto last = finishes_grads_.find({pc, k});
+    if (last != finishes_grads_.end()) grads_start(last->second, st);
+  }
+}
+
+void Executor::send_part(size_t pc, size_t k, State& st) {
+  if (!code_[pc].task.fused()) return;
+  for (size_t j = pc + 1; j < code_.size() && code_[j].op == Op::kSend; ++j) {
+    if (code_[j].part != static_cast<int32_t>(k)) continue;
+    send(code_[j], st);
+    st.issued[j] = true;
+  }
+}
+
+void Executor::run_sides(size_t pc, const std::vector<int32_t>& lanes,
+                         State& st) {
+  const Task& task = code_[pc].task;
+  const schedule::Task::Parts parts = task.simple_parts();
+  const size_t n = parts.size();
+  // The forward side's receives (and any gradient start) first, here: only
+  // this thread posts and waits for receives.
+  for (size_t k = 0; k < n; ++k) {
+    if (lanes[k] == 1) before_part(pc, k, st);
+  }
+  // Sends leave in program order (a pair-ordered transport matches them to
+  // receives in that order), each as soon as its part and every earlier
+  // part are done; by whichever side finishes the last of those.
+  std::vector<bool> done(n, false);
+  std::vector<std::optional<TaskRecord::PartTime>> times(n);
+  size_t next_send = 0;
+  const auto finished = [&](size_t k, Clock::time_point t0) {
+    times[k].emplace(since(st, t0), since(st, Clock::now()), lanes[k]);
+    done[k] = true;
+    for (; next_send < n && done[next_send]; ++next_send) {
+      send_part(pc, next_send, st);
+    }
+  };
+  // Each side holds the step's state while it touches it, and lets go of
+  // it around its long calls (the stage's callables, autograd) and waits.
+  std::unique_lock<std::mutex> lock(st.mu);
+  st.concurrent = true;
+  struct EndConcurrent {
+    State& st;
+    ~EndConcurrent() { st.concurrent = false; }
+  };
+  std::exception_ptr side_error;
+  const at::ThreadLocalState tls;  // grad mode, profiler callbacks, ...
+  std::thread side([&] {
+    try {
+      const at::ThreadLocalStateGuard guard(tls);
+      const LaneScope lane(1);
+      std::unique_lock<std::mutex> held(st.mu);
+      for (size_t k = 0; k < n; ++k) {
+        if (lanes[k] != 1) continue;
+        const auto t0 = Clock::now();
+        run_part(task, parts.begin()[k], st);
+        finished(k, t0);
+      }
+    } catch (...) {
+      side_error = std::current_exception();
+    }
+  });
+  std::exception_ptr own_error;
+  try {
+    const LaneScope lane(0);
+    for (size_t k = 0; k < n; ++k) {
+      if (lanes[k] != 0) continue;
+      before_part(pc, k, st);
+      const auto t0 = Clock::now();
+      run_part(task, parts.begin()[k], st);
+      finished(k, t0);
+    }
+  } catch (...) {
+    own_error = std::current_exception();
+  }
+  {
+    const Unlocked waiting(st);
+    side.join();
+  }
+  const EndConcurrent end{st};
+  // A failed side stops the step; the other side's parts were run to
+  // their end (or their own failure) first, so nothing is left running.
+  if (own_error) std::rethrow_exception(own_error);
+  if (side_error) std::rethrow_exception(side_error);
+  for (auto& t : times) st.part_times.push_back(*t);
 }
 
 int64_t Executor::run_part(const Task& task, const Task& part, State& st) {

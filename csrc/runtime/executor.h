@@ -13,9 +13,13 @@
 // stores keyed by (value or stage, microbatch) and are freed at their last
 // use; nothing survives into the next step. Every wait has the timeout of
 // the options and fails with an error that names this rank, the peer, the
-// stage, the microbatch and the task. A fused task runs its parts in order as
-// one task (one record, one profiler range): each part after the receives it
-// reads, its sends right after it.
+// stage, the microbatch and the task. A fused task is one task (one record,
+// one profiler range): each part after the receives it reads, its sends as
+// soon as it and the parts before it are done. Its parts run in order, or,
+// for a fused task of forward and backward parts with
+// StageFunctions::overlap, as two sides at once (the forward side on a
+// thread of its own), so that one side's communication hides under the
+// other's compute.
 //
 // Not thread-safe: one executor per rank, driven by one thread.
 #pragma once
@@ -106,6 +110,36 @@ struct StageFunctions {
   // callable replays them itself (ranks as threads, each with a generator
   // state of its own: setting the shared one would disturb another rank).
   bool replay_rng = true;
+  // Fused tasks of a forward and a backward side (DualPipeV's F&B) run
+  // their sides at once: the forward side's parts on a thread of their
+  // own, lane 1 (`current_lane`), the rest on the calling thread. Their
+  // collectives inside the stage (expert parallelism's all-to-alls) pick a
+  // process group per lane, so each group sees one side's collectives in
+  // program order on every rank; those of tensor parallelism cannot, so a
+  // runner with tp passes false. Results are those of the parts run in
+  // order, bit for bit: the sides share nothing but the step's state (held
+  // by one side at a time) and the random generator (at most one side may
+  // draw from it, learnt from each stage's first forward; else in order).
+  // Run in order anyway: with memory measured, on a device, without
+  // replay_rng.
+  bool overlap = false;
+};
+
+// The side of a fused task the calling thread runs: 1 for the forward
+// parts of a fused task that also has backward parts (whether or not the
+// sides run at once), 0 otherwise.
+int32_t current_lane();
+
+// Sets current_lane() for the scope.
+class LaneScope {
+ public:
+  explicit LaneScope(int32_t lane);
+  ~LaneScope();
+  LaneScope(const LaneScope&) = delete;
+  LaneScope& operator=(const LaneScope&) = delete;
+
+ private:
+  int32_t before_;
 };
 
 struct ExecutorOptions {
@@ -135,6 +169,16 @@ struct TaskRecord {
   // before B, I or W, what it kept until then (-1 for a fused task).
   int64_t held_bytes = -1;
   int64_t kept_bytes = -1;
+  // A fused task's parts as they ran (host clock, on CPU; empty on a
+  // device): when each started and ended, and its lane (current_lane).
+  struct PartTime {
+    int64_t start_ns = 0;
+    int64_t end_ns = 0;
+    int32_t lane = 0;
+    PartTime(int64_t s, int64_t e, int32_t l)
+        : start_ns(s), end_ns(e), lane(l) {}
+  };
+  std::vector<PartTime> parts;
 };
 
 class Executor {
@@ -179,6 +223,17 @@ class Executor {
   // (else -1). Errors name the part and the fused task.
   int64_t run_part(const schedule::Task& task, const schedule::Task& part,
                    State& st);
+  // Whether fused `task`'s sides run at once this time.
+  bool overlaps(const schedule::Task& task, const std::vector<int32_t>& lanes,
+                const State& st) const;
+  // Part k of the compute at `pc`: the receives it reads and its gradient
+  // start, before it; its sends, after it.
+  void before_part(size_t pc, size_t k, State& st);
+  void send_part(size_t pc, size_t k, State& st);
+  // Runs the two sides of fused task `pc` at once, the forward side's parts
+  // on a thread of their own.
+  void run_sides(size_t pc, const std::vector<int32_t>& lanes, State& st);
+  at::Tensor generator_state() const;
   void post_early(size_t pc, State& st);
   void post_recv(size_t index, State& st);
   void wait_recv(size_t index, State& st, const schedule::Instruction& user);
@@ -248,6 +303,8 @@ class Executor {
   // Receive index -> our sends it proves delivered: the peer sent this
   // message after the task that read them (so after receiving them).
   std::map<size_t, std::vector<size_t>> delivered_by_;
+  // Stage -> whether its forward draws random numbers (learnt once).
+  std::map<int32_t, bool> draws_;
   std::vector<TaskRecord> records_;
   int64_t step_start_unix_ns_ = 0;
   int64_t peak_held_bytes_ = -1;

@@ -23,6 +23,9 @@
 #include <optional>
 #include <set>
 #include <sstream>
+#include <thread>
+
+#include <ATen/ThreadLocalState.h>
 
 namespace torchmpmd::runtime::internal {
 
@@ -158,6 +161,43 @@ struct Executor::State {
   std::optional<internal::DeviceTimer> device;
   std::vector<std::pair<size_t, size_t>> device_marks;
   HeldMemory* memory = nullptr;  // measuring: what the step holds
+  // A fused task whose two sides run at once (Executor::run_sides): each
+  // side holds `mu` while it touches this state and lets go of it around
+  // its long calls and waits (Unlocked).
+  std::mutex mu;
+  bool concurrent = false;
+  // The running fused task's parts as they ran, for its record.
+  std::vector<TaskRecord::PartTime> part_times;
 };
+
+namespace internal {
+
+// Lets the other side of a fused task at the step's state for the scope
+// (a stage's callable, autograd, a wait), when the sides run at once.
+// (A template: Executor::State is private to the executor's members.)
+template <typename State>
+class Unlocked {
+ public:
+  explicit Unlocked(State& st) : st_(st) {
+    if (st_.concurrent) st_.mu.unlock();
+  }
+  ~Unlocked() {
+    if (st_.concurrent) st_.mu.lock();
+  }
+  Unlocked(const Unlocked&) = delete;
+  Unlocked& operator=(const Unlocked&) = delete;
+
+ private:
+  State& st_;
+};
+
+// Nanoseconds from the step's start to `t`.
+template <typename State>
+int64_t since(const State& st, Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t - st.t0)
+      .count();
+}
+
+}  // namespace internal
 
 }  // namespace torchmpmd::runtime

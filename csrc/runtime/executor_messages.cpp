@@ -57,6 +57,7 @@ void Executor::wait_recv(size_t index, State& st, const Instruction& user) {
                                ? schedule::to_string(user.task)
                                : std::string("the tied-gradient sum");
   try {
+    const Unlocked waiting(st);
     posted.request->wait(options_.timeout);
   } catch (const TransportError& e) {
     std::ostringstream msg;

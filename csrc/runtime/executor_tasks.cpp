@@ -21,6 +21,12 @@ Executor::TaskFn Executor::task_fn(TaskKind kind) {
               schedule::kind_letter(kind), ")");
 }
 
+at::Tensor Executor::generator_state() const {
+  at::Generator gen = at::globalContext().defaultGenerator(options_.device);
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
 at::Tensor Executor::take_activation(int32_t v, int32_t mb, State& st) {
   const auto it = st.acts.find({v, mb});
   TORCH_INTERNAL_ASSERT(it != st.acts.end(), "rank ", rank_,
@@ -68,8 +74,16 @@ void Executor::forward(const Task& task, State& st) {
       st.rng[key] = gen.get_state();
     }
   }
+  // Whether the stage draws random numbers, learnt from its first forward
+  // run alone: a fused task's sides run at once only if at most one of
+  // them draws (Executor::overlaps).
+  const bool learn = options_.training && st.fns->overlap &&
+                     st.fns->replay_rng && !st.concurrent &&
+                     options_.device.is_cpu() && !draws_.count(task.stage);
+  const at::Tensor rng_before = learn ? generator_state() : at::Tensor();
   std::vector<at::Tensor> outs =
       call_forward(task, std::move(inputs), /*keep=*/!recomputed, st);
+  if (learn) draws_[task.stage] = !at::equal(rng_before, generator_state());
   for (size_t i = 0; i < si.outputs.size(); ++i) {
     const ValueInfo& v = value(si.outputs[i]);
     const at::Tensor& out = outs[i];
@@ -100,6 +114,13 @@ void Executor::recompute(const Task& task, State& st) {
   }
   at::Tensor state = std::move(st.rng.at(key));
   st.rng.erase(key);
+  const auto draws = draws_.find(task.stage);
+  if (draws != draws_.end() && !draws->second) {
+    // Nothing to replay: the generator is left alone (the other side of a
+    // fused task may be drawing from it).
+    call_forward(task, std::move(inputs), /*keep=*/true, st);
+    return;
+  }
   at::Generator gen = at::globalContext().defaultGenerator(options_.device);
   at::Tensor current;
   {
@@ -136,6 +157,7 @@ std::vector<at::Tensor> Executor::call_forward(const Task& task,
   std::vector<at::Tensor> outs;
   {
     at::AutoGradMode grad_mode(autograd);
+    const Unlocked calling(st);
     outs = st.fns->forward(task.stage, mb, inputs);
   }
   const size_t want = si.outputs.size() + (options_.training && si.has_loss);
@@ -216,6 +238,7 @@ void Executor::backward(const Task& task, State& st) {
     grads.push_back(at::ones_like(outs.back()));
   }
   if (!roots.empty()) {
+    const Unlocked calling(st);
     torch::autograd::backward(roots, grads);
   }
   for (size_t j = 0; j < si.inputs.size(); ++j) {
@@ -238,8 +261,11 @@ void Executor::input_grad(const Task& task, State& st) {
     const ValueInfo& v = value(si.outputs[i]);
     if (v.requires_grad) grads[i] = sum_grad_parts(v.id, mb, st);
   }
-  std::vector<at::Tensor> result =
-      st.fns->input_grad(task.stage, mb, saved, grads);
+  std::vector<at::Tensor> result;
+  {
+    const Unlocked calling(st);
+    result = st.fns->input_grad(task.stage, mb, saved, grads);
+  }
   size_t k = 0;
   for (const int32_t v : si.inputs) k += value(v).requires_grad;
   if (result.size() < k) {
@@ -265,6 +291,7 @@ void Executor::weight_grad(const Task& task, State& st) {
   const State::Key key{task.stage, task.microbatch};
   auto saved = std::move(st.saved_w.at(key));
   st.saved_w.erase(key);
+  const Unlocked calling(st);
   st.fns->weight_grad(task.stage, task.microbatch, saved);
 }
 

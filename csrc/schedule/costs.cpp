@@ -1,5 +1,6 @@
 #include "schedule/costs.h"
 
+#include <algorithm>
 #include <cctype>
 
 #include "schedule/task.h"
@@ -129,9 +130,36 @@ bool Costs::has_fused_time(const Task& task) const {
          fused_time.count(fused_cost_key(task)) > 0;
 }
 
+bool Costs::overlaps(const Task& task) const {
+  if (!overlap_sides || comm.empty() || !task.fused() || has_fused_time(task)) {
+    return false;
+  }
+  const std::vector<int32_t> side = lanes(task);
+  return std::count(side.begin(), side.end(), 1) > 0;
+}
+
+double Costs::comm_of(const Task& task) const {
+  const auto kind = static_cast<size_t>(info(task.kind).charged_as);
+  if (kind >= comm.size() || comm[kind].empty()) return 0.0;
+  return comm[kind].at(task.stage);
+}
+
 double Costs::of(const Task& task) const {
   if (task.fused()) {
     if (has_fused_time(task)) return fused_time.at(fused_cost_key(task));
+    if (overlaps(task)) {
+      // Each side's parts one after the other; the two sides at once, each
+      // one's communication under the other's compute where it can be.
+      const std::vector<int32_t> side = lanes(task);
+      double compute = 0;
+      double sides[2] = {0, 0};
+      for (size_t k = 0; k < task.parts.size(); ++k) {
+        const double t = of(task.parts[k]);
+        compute += t - std::min(t, comm_of(task.parts[k]));
+        sides[side[k]] += t;
+      }
+      return std::max({compute, sides[0], sides[1]});
+    }
     double sum = 0;
     for (const Task& part : task.parts) sum += of(part);
     return sum;

@@ -36,6 +36,14 @@ struct Costs {
   std::vector<double> unshard;
   std::vector<double> reduce_grads;
   std::vector<int64_t> unsharded_bytes;
+  // Communication inside tasks (expert parallelism's all-to-alls), per task
+  // kind and stage as `time` (comm[kind][stage]; empty: none), and part of
+  // its time. With overlap_sides, a fused task of two sides (lanes(): a
+  // forward beside a backward) runs them at once, as the runtime does: it
+  // takes its parts' compute or its longer side, whichever is more, so
+  // that one side's communication hides under the other's compute.
+  std::vector<std::vector<double>> comm;
+  bool overlap_sides = false;
   double latency = 0;         // per message
   double bytes_per_unit = 0;  // link bandwidth; 0 = infinitely fast
   bool overlap_comm = true;   // sends run in the background
@@ -46,11 +54,17 @@ struct Costs {
                        double backward = 2, double input_grad = 1,
                        double weight_grad = 1);
   // The cost of a task: its stage's time for the kind the task-kind table
-  // charges it as; of a fused task, its fused_time if given, else the sum
-  // of its parts'.
+  // charges it as; of a fused task, its fused_time if given, else overlapped
+  // (overlaps()), else the sum of its parts'.
   double of(const Task& task) const;
   // Whether fused task `task` has a measured time in fused_time.
   bool has_fused_time(const Task& task) const;
+  // Whether fused task `task` runs its two sides at once (overlap_sides,
+  // communication given, no measured time): charged as one, not part by
+  // part.
+  bool overlaps(const Task& task) const;
+  // The communication inside simple task `task` (0 where not given).
+  double comm_of(const Task& task) const;
   // Time the link is busy with one message (the machine model adds latency
   // and contention).
   double wire_time(int64_t bytes) const;

@@ -49,7 +49,8 @@ class Machine {
   double compute_time(const Task& task) const { return costs_.of(task); }
   // Whether `task` is fused and runs part by part (no measured time).
   bool runs_parts(const Task& task) const {
-    return task.fused() && !costs_.has_fused_time(task);
+    return task.fused() && !costs_.has_fused_time(task) &&
+           !costs_.overlaps(task);
   }
   // Starts the send `ins` of `rank` once the rank and the link are free;
   // returns when it left and when it arrives.

@@ -86,6 +86,21 @@ std::string to_action(const Task& task) {
                          kFusedActionType);
 }
 
+std::vector<int32_t> lanes(const Task& task) {
+  const Task::Parts parts = task.simple_parts();
+  std::vector<int32_t> out(parts.size(), 0);
+  bool forward = false;
+  bool other = false;
+  for (const Task& part : parts) {
+    (part.kind == TaskKind::kForward ? forward : other) = true;
+  }
+  if (!(task.fused() && forward && other)) return out;
+  for (size_t k = 0; k < parts.size(); ++k) {
+    out[k] = parts.begin()[k].kind == TaskKind::kForward ? 1 : 0;
+  }
+  return out;
+}
+
 std::string fused_cost_key(const Task& task) {
   return join_parts(task, ";", [](const Task& p) {
     return detail::str_cat(p.stage, kind_letter(p.kind));

@@ -80,6 +80,15 @@ Task parse_action(const std::string& text);
 // the key of its measured time in Costs::fused_time.
 std::string fused_cost_key(const Task& task);
 
+// The side each of `task`'s parts runs on (in part order): 1 for the
+// forward parts of a fused task that also has other parts (F beside B, I,
+// W or R), 0 for the rest; a simple task is one part on side 0. The two
+// sides of a fused task may run at once (the runtime's overlap; the
+// simulator charges them so); the parts of one side run in order, and a
+// part may depend on an earlier part of its own side (a recompute right
+// before its backward), never on the other side.
+std::vector<int32_t> lanes(const Task& task);
+
 // What a stage's data parallelism does around its tasks of a training step,
 // as torch.distributed.pipelining's UNSHARD / RESHARD / REDUCE_GRAD actions:
 // the lowering places them in the program (Op::kUnshard, Op::kReduceGrads),

@@ -191,9 +191,19 @@ void add_dependencies(const Task& t, const Flow& flow, const TaskPositions& pos,
 std::vector<Task> dependencies(const Task& t, const Flow& flow,
                                const TaskPositions& pos, bool forward_only) {
   std::vector<Task> deps;
-  for (const Task& part : t.simple_parts()) {
+  const Task::Parts parts = t.simple_parts();
+  for (const Task& part : parts) {
     add_dependencies(part, flow, pos, forward_only, deps);
   }
+  // A part's dependency on an earlier part of its own side runs inside the
+  // task (validate() checks that it is one).
+  deps.erase(std::remove_if(deps.begin(), deps.end(),
+                            [&](const Task& d) {
+                              return t.fused() &&
+                                     std::find(parts.begin(), parts.end(), d) !=
+                                         parts.end();
+                            }),
+             deps.end());
   std::sort(deps.begin(), deps.end());
   deps.erase(std::unique(deps.begin(), deps.end()), deps.end());
   return deps;
@@ -263,9 +273,13 @@ void validate(const PipelineGraph& graph, const ScheduleSpec& spec) {
     for (int32_t i = 0; i < static_cast<int32_t>(list.size()); ++i) {
       const Task& whole = list[i];
       // Each part's dependencies: on earlier tasks of the rank or on other
-      // ranks, never on another part of the same fused task (its parts run
-      // as one step, all inputs there before it starts).
-      for (const Task& part : whole.simple_parts()) {
+      // ranks, or on an earlier part of its own side of the same fused task
+      // (a recompute right before its backward); never on the other side
+      // (the two may run at once) nor on a later part.
+      const Task::Parts parts = whole.simple_parts();
+      const std::vector<int32_t> side = lanes(whole);
+      for (size_t k = 0; k < parts.size(); ++k) {
+        const Task& part = parts.begin()[k];
         const auto what = [&] {
           return whole.fused()
                      ? detail::str_cat(to_string(part), " (part of fused ",
@@ -278,12 +292,18 @@ void validate(const PipelineGraph& graph, const ScheduleSpec& spec) {
           MPMD_CHECK(p.present(), "schedule: ", what(), " depends on ",
                      to_string(dep), ", which no rank runs",
                      grid_for(spec, {{r, i}}));
+          if (p.rank == r && p.index == i) {
+            const auto at = std::find(parts.begin(), parts.end(), dep);
+            const size_t j = static_cast<size_t>(at - parts.begin());
+            if (j < k && side[j] == side[k]) continue;
+          }
           MPMD_CHECK(
               p.rank != r || p.index != i, "schedule: rank ", r, " position ",
               i, ": fused task ", to_action(whole), " has part ",
               to_string(part), " depending on its part ", to_string(dep),
-              "; the parts of a fused task run as one step and must "
-              "not depend on one another: schedule ",
+              "; a part may depend only on an earlier part of its own side "
+              "(the forward parts are one side, the rest the other: the "
+              "two may run at once): schedule ",
               to_action(dep), " as a task before it", grid_for(spec, {{r, i}}));
           MPMD_CHECK(p.rank != r || p.index < i, "schedule: rank ", r, " runs ",
                      what(), " (position ", i, ") before ", to_string(dep),

@@ -40,8 +40,9 @@ class TaskPositions {
 TaskPositions locate(const PipelineGraph& graph, const ScheduleSpec& spec);
 
 // Tasks that must finish before `t` can start, following the `needs` of its
-// kind; of a fused task, those of all its parts (it starts with every input
-// of every part there). Sorted, without duplicates.
+// kind; of a fused task, those of all its parts outside it (it starts with
+// every input of every part there; a part that depends on an earlier part
+// of its side runs after it inside the task). Sorted, without duplicates.
 std::vector<Task> dependencies(const Task& t, const Flow& flow,
                                const TaskPositions& positions,
                                bool forward_only);

@@ -155,9 +155,25 @@ TEST(Fused, ValidationRefusesMalformedFusedTasks) {
       lower_error(g, dependent),
       HasSubstr("schedule: rank 0 position 0: fused task "
                 "(0F0;0B0)OVERLAP_F_B has part B(stage=0, mb=0) depending on "
-                "its part F(stage=0, mb=0); the parts of a fused task run as "
-                "one step and must not depend on one another: schedule 0F0 "
-                "as a task before it"));
+                "its part F(stage=0, mb=0); a part may depend only on an "
+                "earlier part of its own side (the forward parts are one "
+                "side, the rest the other: the two may run at once): "
+                "schedule 0F0 as a task before it"));
+  // On one side, a part may depend on an earlier one (a recompute right
+  // before its backward, as with_recompute puts it beside a forward), not
+  // on a later one.
+  ScheduleSpec recomputed{2, 2, {0, 1}, {}, false, {}};
+  recomputed.tasks = {
+      {F(0, 0), fuse({F(0, 1), R(0, 0), B(0, 0)}), R(0, 1), B(0, 1)},
+      {F(1, 0), B(1, 0), F(1, 1), B(1, 1)}};
+  EXPECT_EQ(lower_error(g, recomputed), "<no error>");
+  EXPECT_EQ(schedule::lanes(recomputed.tasks[0][1]),
+            (std::vector<int32_t>{1, 0, 0}));
+  ScheduleSpec backwards = recomputed;
+  backwards.tasks[0][1] = fuse({F(0, 1), B(0, 0), R(0, 0)});
+  EXPECT_THAT(lower_error(g, backwards),
+              HasSubstr("has part B(stage=0, mb=0) depending on its part "
+                        "R(stage=0, mb=0)"));
   // A part on a stage of another rank.
   ScheduleSpec elsewhere{2, 2, {0, 1}, {}, false, {}};
   elsewhere.tasks = {{F(0, 0), F(0, 1), B(0, 0), B(0, 1)},

@@ -98,6 +98,9 @@ class ExpertParallel(Parallelism):
         self.ep_mesh = root["ep"]
         self.ep_group = self.ep_mesh.get_group()
         self.size = int(self.ep_mesh.size())
+        # The forward side of a fused task whose sides run at once exchanges
+        # its tokens over a second group of the same ranks (`Dispatch.lanes`).
+        self.lane_group = _second_groups(root, "ep")
         self.plan = dict(plan) if plan is not None else None
         self.traffic = Traffic()
         self._parallelize = parallelize
@@ -158,6 +161,8 @@ class ExpertParallel(Parallelism):
             self._sliced = Replicas(
                 group, over, bucket, select=self._is_sliced, divisor=dp * self.size
             )
+        # Rows split over tp all-reduce inside the task on tp's one group.
+        self.overlaps_sides = self._tp_mesh is None
         self.sharded: dict[str, int] = {}  # experts module path -> local experts
         self._tokens: dict[str, torch.Tensor] = {}  # the last step's, per expert
 
@@ -171,7 +176,7 @@ class ExpertParallel(Parallelism):
         return id(p) not in self._expert_ids
 
     def groups(self) -> list[dist.ProcessGroup]:
-        found = [self._group, self.ep_group]
+        found = [self._group, self.ep_group, self.lane_group]
         if self._dp_group is not None:
             found.append(self._dp_group)
         return list(dict.fromkeys(found))
@@ -272,6 +277,7 @@ class ExpertParallel(Parallelism):
         plan sharded, or a user's `parallelize` with `shard_experts`)."""
         dispatch.traffic = self.traffic
         dispatch.path = path
+        dispatch.lanes = (dispatch.group, self.lane_group)
         if self._tp_mesh is not None and dispatch.style == TOPK:
             dispatch.split_rows_over = self._tp_mesh
             self._sliced_paths.add(path)
@@ -462,6 +468,24 @@ def shard_experts(
     dispatch = Dispatch(module, path, style, local, ep_mesh.get_group(), Traffic())
     module.forward = dispatch
     return dispatch
+
+
+def _second_groups(root: DeviceMesh, dim: str) -> dist.ProcessGroup:
+    """A second process group of this rank's ranks along `dim` of `root`:
+    every rank makes every such group (`new_group` is collective over the
+    world), in one order."""
+    names = list(root.mesh_dim_names or ())
+    ranks = root.mesh.movedim(names.index(dim), -1).reshape(-1, root.mesh.shape[names.index(dim)])
+    mine: dist.ProcessGroup | None = None
+    for row in ranks.tolist():
+        group = dist.new_group(row)
+        if dist.get_rank() in row:
+            mine = group
+    if mine is None:
+        raise RuntimeError(
+            f"expert parallelism: rank {dist.get_rank()} is not in its mesh {root.mesh.tolist()}"
+        )
+    return mine
 
 
 def _infer_style(path: str, node: Any) -> str:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from .. import _C
 from .protocol import running_again, running_task
 
 __all__ = ["GROUPED", "PARAMETER", "STYLES", "TOPK", "Dispatch", "ExpertsOverTp", "Traffic"]
@@ -55,9 +56,16 @@ class _Exchange:
 
     kind: str  # "dispatch" or "combine"
     path: str
-    group: dist.ProcessGroup
+    lanes: tuple[dist.ProcessGroup, ...]  # Dispatch.lanes
     traffic: Traffic
     task: tuple[int, int] | None
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The group of the side of a fused task that runs the exchange now
+        (`_C.runtime.current_lane`): a backward's is the side that runs the
+        backward, not the forward's."""
+        return self.lanes[min(_C.runtime.current_lane(), len(self.lanes) - 1)]
 
     def run(
         self, x: torch.Tensor, recv: list[int], send: list[int], backward: bool = False
@@ -137,6 +145,11 @@ class Dispatch:
     ) -> None:
         self.module, self.path, self.style, self.local = module, path, style, local
         self.group, self.traffic = group, traffic
+        # The group of each side of a fused task (`_C.runtime.current_lane`):
+        # the forward side of one whose sides run at once exchanges over a
+        # second group of the same ranks (set by ExpertParallel); a call
+        # sharded by hand (`shard_experts`) has one.
+        self.lanes: tuple[dist.ProcessGroup, ...] = (group,)
         self.size = dist.get_world_size(group)
         self.forward = type(module).forward
         # The tp mesh whose ranks each run a slice of the call's rows (set by
@@ -151,8 +164,8 @@ class Dispatch:
     def _exchanges(self) -> tuple[_Exchange, _Exchange]:
         task = running_task()
         return (
-            _Exchange("dispatch", self.path, self.group, self.traffic, task),
-            _Exchange("combine", self.path, self.group, self.traffic, task),
+            _Exchange("dispatch", self.path, self.lanes, self.traffic, task),
+            _Exchange("combine", self.path, self.lanes, self.traffic, task),
         )
 
     def _split_sizes(
@@ -164,7 +177,7 @@ class Dispatch:
         send_counts = per_expert.reshape(self.size, self.local).contiguous()
         recv_counts = torch.empty_like(send_counts)
         try:
-            dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+            dist.all_to_all_single(recv_counts, send_counts, group=dispatch.group)
         except RuntimeError as err:
             raise RuntimeError(dispatch.failed(f"split sizes {self.path}", err)) from err
         send = send_counts.sum(1).tolist()

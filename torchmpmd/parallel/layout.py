@@ -52,6 +52,7 @@ class Layout(Parallelism):
         self.sums_ties = any(m.sums_ties for m in members)
         self.rewrites_stages = any(m.rewrites_stages for m in members)
         self.splits_batch = any(m.splits_batch for m in members)
+        self.overlaps_sides = all(m.overlaps_sides for m in members)
         wanted = [m.collectives for m in members if m.collectives is not None]
         self.collectives = (
             StageCollectives(

@@ -116,6 +116,12 @@ class Parallelism:
     # parallelism reduces them (tensor parallelism places them): then none
     # is reduced early, during the task that makes it (`grads_start`).
     rewrites_grads: bool = False
+    # Whether the two sides of a fused task (a forward and a backward, as
+    # DualPipeV pairs them) may run at once on a rank: its collectives
+    # inside tasks, if any, pick their process group by the side that runs
+    # them (`_C.runtime.current_lane()`), so that each group sees one side's
+    # collectives in program order on every rank.
+    overlaps_sides: bool = True
 
     def groups(self) -> list[dist.ProcessGroup]:
         """Its process groups (their waits are bounded by the runner's timeout)."""

@@ -123,6 +123,9 @@ class TensorParallel(Parallelism):
     rewrites_stages = True
     # Its reduce_grads places the stage's gradients as their parameters.
     rewrites_grads = True
+    # DTensor's collectives take the tp mesh's one group, whichever side of
+    # a fused task runs them: the sides run in order.
+    overlaps_sides = False
 
     def __init__(
         self,

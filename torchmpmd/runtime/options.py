@@ -101,6 +101,17 @@ class RunnerOptions:
     max_early_recvs: int = 64
     """How many receives a rank posts ahead of the task that reads them."""
 
+    overlap: bool = True
+    """A fused task of one microbatch's forward and another's backward
+    (DualPipeV's, `Task.fused`) runs its two sides at once on CPU, the
+    forward on a thread of its own, so that one side's communication
+    (expert parallelism's all-to-alls, the pipeline's transfers) runs under
+    the other's compute; results are those of its parts run in order, bit
+    for bit. They run in order anyway where the sides cannot run at once
+    (tensor parallelism's collectives, both sides drawing random numbers,
+    `measure_memory`, a GPU, ranks as threads); False always runs them in
+    order."""
+
     measure_memory: bool = False
     """Measure, from the allocator, the bytes every local stage holds for its
     backward (`timeline.peak_activation_bytes`, each task's held and kept

@@ -175,8 +175,13 @@ def gather_timeline(
         rows.append(
             [kinds.index(e.kind), e.stage, e.microbatch, e.start, e.end, e.held_bytes, e.kept_bytes]
         )
-        # A fused task's parts: a row each after its own, kind -1 - index.
-        rows += [[-1 - kinds.index(p.kind), p.stage, p.microbatch, 0, 0, 0, 0] for p in e.sub_tasks]
+        # A fused task's parts: a row each after its own, kind -1 - index,
+        # with when it ran and its lane where measured (else lane -1).
+        spans = e.part_spans or [(0.0, 0.0, -1)] * len(e.sub_tasks)
+        rows += [
+            [-1 - kinds.index(p.kind), p.stage, p.microbatch, a, b, lane, 0]
+            for p, (a, b, lane) in zip(e.sub_tasks, spans, strict=True)
+        ]
     table = torch.tensor(rows, dtype=torch.float64, device=device)
     with collective.call("gather_timeline"):
         gathered = all_gather(collective.transport, table, collective.timeout, "the timelines")
@@ -187,14 +192,27 @@ def gather_timeline(
         i = 0
         while i < len(rest):
             k, s, mb, start, end, h, b = rest[i]
-            sub = []
+            sub, spans = [], []
             while i + 1 < len(rest) and rest[i + 1][0] < 0:
                 i += 1
-                sub.append(Task(kinds[-1 - int(rest[i][0])], int(rest[i][1]), int(rest[i][2])))
+                pk, ps, pmb, a, z, lane, _ = rest[i]
+                sub.append(Task(kinds[-1 - int(pk)], int(ps), int(pmb)))
+                spans.append((a, z, int(lane)))
             i += 1
+            measured = tuple(spans) if spans and spans[0][2] >= 0 else ()
             events.append(
                 TimelineEvent(
-                    rank, kinds[int(k)], int(s), int(mb), start, end, "", int(h), int(b), tuple(sub)
+                    rank,
+                    kinds[int(k)],
+                    int(s),
+                    int(mb),
+                    start,
+                    end,
+                    "",
+                    int(h),
+                    int(b),
+                    tuple(sub),
+                    measured,
                 )
             )
     peaks, sent, received = ([int(part[0][i]) for part in parts] for i in range(3))

@@ -187,6 +187,7 @@ class PipelineRunner:
                     # Ranks as threads replay a recompute's random numbers
                     # from their own CPU generator (rank_rng.py).
                     replay_rng=not (rank_rng.in_rank_thread() and self.device.type == "cpu"),
+                    overlap=bool(self.options.overlap) and layout.overlaps_sides,
                 )
             layout.finish(self._traced.tied_parameters)
             self.timeline = compiled.measured_timeline(self.num_ranks)

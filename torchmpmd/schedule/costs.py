@@ -100,7 +100,11 @@ class Costs:
     The task times above exclude them; the simulator charges them inside
     the tasks (the task waits for them) and shows them in the simulated
     timeline ("dispatch", "combine"). From a measured step, `from_timeline`
-    separates them; from bytes, `exchange_time`.
+    separates them; from bytes, `exchange_time`. With `overlap_sides` (as
+    `RunnerOptions.overlap` runs them), a fused task of a forward beside a
+    backward (DualPipeV's F&B) runs its two sides at once: it takes the
+    longer of its parts' compute (exchanges left out) and each side's time,
+    so that one side's exchanges hide under the other's compute.
     """
 
     forward: PerStage = 1.0
@@ -120,6 +124,7 @@ class Costs:
     bandwidth: float = 0.0
     unit: str = "units"
     overlap_comm: bool = True
+    overlap_sides: bool = True
 
     @staticmethod
     def exchange_time(sent_bytes: float, calls: int, latency: float, bandwidth: float) -> float:
@@ -173,14 +178,17 @@ class Costs:
         if len(acts) != n or len(wbytes) != n:
             raise ValueError(f"Costs: activation byte counts must give one value per stage ({n})")
         exchanges = self.exchanges(n)
+        # Per kind, the exchanges inside its tasks: F its forward's, B and I
+        # (whose backward goes through the all-to-alls) the backward's.
+        comm: dict[str, list[float]] = {}
         if exchanges is not None:
-            # Inside the tasks that run them: F its forward's, B and I
-            # (whose backward goes through the all-to-alls) the backward's.
+            comm["F"] = exchanges[0]
+            for letter in _OWN:
+                if TABLE[letter].emits_input_grads or letter == _WHOLE:
+                    comm[letter] = exchanges[1]
             for s, stage in enumerate(per_stage):
-                stage["F"] += exchanges[0][s]
-                for letter in _OWN:
-                    if TABLE[letter].emits_input_grads or letter == _WHOLE:
-                        stage[letter] += exchanges[1][s]
+                for letter, spent in comm.items():
+                    stage[letter] += spent[s]
         c = _C.schedule.Costs()
         c.time = [
             [stage[letter] for stage in per_stage] if letter in _OWN else [] for letter in TABLE
@@ -195,6 +203,8 @@ class Costs:
         c.latency = float(self.latency)
         c.bytes_per_unit = float(self.bandwidth)
         c.overlap_comm = self.overlap_comm
+        c.comm = [list(comm[letter]) if letter in comm else [] for letter in TABLE] if comm else []
+        c.overlap_sides = self.overlap_sides
         return c
 
     @staticmethod

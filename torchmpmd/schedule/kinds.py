@@ -21,6 +21,8 @@ __all__ = [
 TABLE: dict[str, _C.schedule.TaskKindInfo] = {k.letter: k for k in _C.schedule.task_kind_table()}
 WHOLE_BACKWARD = 3  # BackwardPart::kWholeBackward: input and weight gradients
 
+# The kind that runs a stage's forward (also in forward-only steps).
+FORWARD: str = next(k.letter for k in TABLE.values() if k.in_forward_only)
 # The kind that runs a stage's forward again for its backward.
 RECOMPUTE: str = next(k.letter for k in TABLE.values() if k.recomputes)
 # The kind that runs a stage's whole backward (input and weight gradients).

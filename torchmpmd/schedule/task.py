@@ -336,14 +336,26 @@ class _Recompute(_Rewritten):
         for rank in base:
             row = []
             for task in rank:
-                # A fused task's backward parts get theirs before it.
-                for t in task.parts:
-                    if (
-                        kinds.waits_for_recompute(t.kind)
-                        and (self._stages is None or t.stage in self._stages)
-                        and (t.stage, t.microbatch) not in done
-                    ):
-                        row.append(Task(kinds.RECOMPUTE, t.stage, t.microbatch))
+                wanted = [
+                    t
+                    for t in task.parts
+                    if kinds.waits_for_recompute(t.kind)
+                    and (self._stages is None or t.stage in self._stages)
+                    and (t.stage, t.microbatch) not in done
+                ]
+                if task.is_fused and any(t.kind == kinds.FORWARD for t in task.parts):
+                    # A fused forward and backward: the recompute joins the
+                    # backward's side, right before it, so that it runs (and
+                    # its communication hides) beside the forward.
+                    parts: list[Task] = []
+                    for t in task.parts:
+                        if t in wanted:
+                            parts.append(Task(kinds.RECOMPUTE, t.stage, t.microbatch))
+                        parts.append(t)
+                    row.append(Task.fused(*parts))
+                    continue
+                # Any other fused task's backward parts get theirs before it.
+                row += [Task(kinds.RECOMPUTE, t.stage, t.microbatch) for t in wanted]
                 row.append(task)
             out.append(row)
         return out

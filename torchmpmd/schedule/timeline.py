@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import _C
+from .hidden import hidden_communication
 from .task import Task
 
 __all__ = ["COLLECTIVES", "Timeline", "TimelineEvent"]
@@ -44,6 +45,10 @@ class TimelineEvent:
     # A fused task's parts, in order (it is one event, with its first part's
     # kind, stage and microbatch); () for anything else.
     sub_tasks: tuple[Task, ...] = ()
+    # Measured on CPU: each part's (start, end, lane), in sub_tasks' order;
+    # lane 1 is the forward side of a fused task whose sides ran at once
+    # (on a thread of its own), 0 the rest. () where not measured.
+    part_spans: tuple[tuple[float, float, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in _TASK_KINDS and self.kind not in _OTHER_KINDS:
@@ -180,6 +185,13 @@ class Timeline:
     def tasks(self) -> list[TimelineEvent]:
         return [e for e in self.events if e.is_task]
 
+    def hidden_communication(self) -> tuple[float, float]:
+        """Of the exchanges inside fused tasks (expert parallelism's dispatch
+        and combine, measured), the seconds that ran while the task's other
+        side computed, and all their seconds, over every rank. (0, 0) where
+        no fused task's sides were measured running at once."""
+        return hidden_communication(self.events, EXCHANGES)
+
     def _stats(self) -> tuple[float, float]:
         # The native core's one definition, shared with its simulator: first
         # task (or collective) start to last end; idle share of the ranks
@@ -287,7 +299,9 @@ class Timeline:
 def from_records(
     rank: int,
     num_ranks: int,
-    records: Sequence[tuple[str, int, int, int, int, int, int, int]],
+    records: Sequence[
+        tuple[str, int, int, int, int, int, int, int, Sequence[tuple[int, int, int]]]
+    ],
     step_start_unix_ns: int = 0,
     peak_held_bytes: int = -1,
     message_bytes: tuple[int, int] = (-1, -1),
@@ -295,10 +309,11 @@ def from_records(
     """A measured timeline of one rank from the executor's task records
     (nanoseconds since the step started), in seconds since the Unix epoch so
     that timelines of different ranks line up. A fused task's record names
-    it by its action ('(0F3;1B2)OVERLAP_F_B'): one event with its parts."""
+    it by its action ('(0F3;1B2)OVERLAP_F_B'): one event with its parts
+    (and, on CPU, when each ran, on which lane)."""
     origin = step_start_unix_ns / 1e9
     events = []
-    for kind, stage, mb, start, end, _waited, held, kept in records:
+    for kind, stage, mb, start, end, _waited, held, kept, spans in records:
         parts = Task.parse(kind).parts if kind.startswith("(") else ()
         events.append(
             TimelineEvent(
@@ -312,6 +327,7 @@ def from_records(
                 held,
                 kept,
                 parts,
+                tuple((origin + a / 1e9, origin + b / 1e9, lane) for a, b, lane in spans),
             )
         )
     peaks, sent, received = [-1] * num_ranks, [-1] * num_ranks, [-1] * num_ranks

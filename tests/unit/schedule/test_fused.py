@@ -163,14 +163,17 @@ def test_validation_names_rank_task_and_part():
 def test_schedule_rewrites_see_each_part():
     schedule = mpmd.Schedule.from_lists(FUSED_LISTS, [0, 1])
     assert schedule.splits_backward(2, 2)  # 0I0 only inside a fused task
-    # Recompute: an R before each fused task for its backward part.
+    # Recompute: an R right before each fused task's backward part, inside
+    # it (on the backward's side, beside the forward).
     rows = schedule.with_recompute([1]).tasks(2, 2, 3)
-    assert [str(t) for t in rows[1][:4]] == [
+    assert [str(t) for t in rows[1][:3]] == [
         "1F0",
-        "1R0",
-        "(1F1;1B0)OVERLAP_F_B",
-        "1R1",
+        "(1F1;1R0;1B0)OVERLAP_F_B",
+        "(1F2;1R1;1B1)OVERLAP_F_B",
     ]
+    # ... and the program runs it: R and B on one side, after one another.
+    program = mpmd.compile_schedule(schedule.with_recompute([1]), 2, 2)
+    assert "(1F1;1R0;1B0)OVERLAP_F_B" in [str(t) for t in program.tasks(1)]
     # Full backward on stage 0: the fused I becomes B, its W goes.
     rows = schedule.with_full_backward([0]).tasks(2, 2, 3)
     assert [str(t) for t in rows[0]] == ["0F0", "0F1", "(0F2;0B0)OVERLAP_F_B", "0B1", "0B2"]
@@ -296,7 +299,7 @@ def test_fusing_tasks_keeps_the_simulated_step_by_default(data_):
     except ValueError as e:
         # Parts that depend on one another, or wait for each other through
         # another rank: refused, and said so.
-        assert "must not depend on one another" in str(e) or "deadlock" in str(e), str(e)
+        assert "only on an earlier part of its own side" in str(e) or "deadlock" in str(e), str(e)
         return
     apart = mpmd.Schedule.from_lists(flat, placement, m)
     a = program.simulate(costs)
@@ -314,3 +317,32 @@ def test_from_timeline_says_when_a_forward_ran_only_fused():
     ]
     with pytest.raises(ValueError, match="no forward of stage 0 was measured on its own"):
         mpmd.Costs.from_timeline(mpmd.Timeline(1, events), 2)
+
+
+def test_simulator_runs_the_two_sides_of_a_fused_task_at_once():
+    """With expert parallelism's exchanges inside the tasks, a fused F&B
+    takes the longer of its parts' compute and each side's time (one side's
+    exchanges under the other's compute), as `RunnerOptions.overlap` runs it;
+    without `overlap_sides`, the sum of its parts."""
+    schedule = mpmd.schedules.DualPipeV(4)
+    program = mpmd.compile_schedule(schedule, 4, 2)
+    costs = dict(forward=1.0, backward=2.0, exchange=0.5, exchange_backward=0.8)
+    apart = program.simulate(mpmd.Costs(**costs, overlap_sides=False))
+    together = program.simulate(mpmd.Costs(**costs))
+
+    # F: 1 + 0.5 exchange; B: 2 + 0.8. Compute 1 + 2 = 3 against the sides'
+    # 1.5 and 2.8: 3. In order: 4.3.
+    def durations(timeline: mpmd.Timeline) -> set[float]:
+        return {round(e.duration, 9) for e in timeline.tasks if e.is_fused}
+
+    assert min(durations(apart)) == 4.3  # part by part (and any wait between)
+    assert durations(together) == {3.0}
+    assert together.step_time < apart.step_time
+    # A backward side longer than the forward's whole time: the side.
+    long_b = program.simulate(
+        mpmd.Costs(forward=1.0, backward=2.0, exchange=0.1, exchange_backward=3.0)
+    )
+    assert durations(long_b) == {5.0}
+    # No exchanges: nothing to hide, the sum of the parts.
+    plain = program.simulate(mpmd.Costs(forward=1.0, backward=2.0))
+    assert min(durations(plain)) == 3.0
