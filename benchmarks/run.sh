@@ -25,6 +25,9 @@ echo "== mpmd.plan against every built-in schedule, four models (2 ranks)"
 python benchmarks/planner.py --rounds 25 --json "$OUT/planner.json" 2>&1 | quiet
 echo "== expert parallelism against replicated experts (4 ranks)"
 python benchmarks/expert_parallel.py --rounds 9 --json "$OUT/expert_parallel.json" 2>&1 | quiet
+echo "== fused F&B tasks, sides at once against parts in order (4 ranks)"
+python benchmarks/overlap.py --rounds 9 --json "$OUT/overlap.json" 2>&1 | quiet
+python benchmarks/overlap.py --rounds 9 --recompute --json "$OUT/overlap_recompute.json" 2>&1 | quiet
 echo "== torchmpmd against torch's DDP, FSDP2 and TP, three models (2 and 4 ranks)"
 python benchmarks/mpmd_vs_spmd.py --nproc 2 --rounds 9 --json "$OUT/mpmd_vs_spmd_2.json" 2>&1 | quiet
 python benchmarks/mpmd_vs_spmd.py --nproc 4 --rounds 9 --json "$OUT/mpmd_vs_spmd_4.json" 2>&1 | quiet
