@@ -55,6 +55,7 @@ def main() -> None:
     p.add_argument("--microbatch-size", type=int, default=4)
     p.add_argument("--recompute", action="store_true", help="full recomputation")
     p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None, help="PNG of one step, parts in order and sides at once")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -178,6 +179,17 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+    if args.plot:
+        mpmd.viz.plot(
+            [timelines[UNFUSED][-1], timelines[FUSED][-1]],
+            args.plot,
+            titles=[
+                f"{UNFUSED}: step {spans[UNFUSED] * 1e3:.0f} ms (executor span, median)",
+                f"{FUSED}: step {spans[FUSED] * 1e3:.0f} ms; fused parts where they ran, "
+                f"all-to-alls dark; {result['hidden_fraction']:.0%} of the fused tasks' "
+                "all-to-all time under the other side's compute",
+            ],
+        )
     dist.destroy_process_group()
 
 

@@ -15,7 +15,16 @@ import torchmpmd as mpmd
 
 SPLITS = {"gpt": split_gpt, "deep_unet": split_deep_unet}
 S = mpmd.schedules
-ALL = [S.GPipe, S.OneFOneB, S.Eager1F1B, S.Interleaved1F1B, S.ZeroBubbleH1, S.ZBV, S.DualPipeV]
+ALL = [
+    S.GPipe,
+    S.OneFOneB,
+    S.Eager1F1B,
+    S.Interleaved1F1B,
+    S.ZeroBubbleH1,
+    S.ZBV,
+    S.DualPipeV,
+    S.Combined1F1B,
+]
 
 
 def stages_for(cls: type[mpmd.Schedule], ranks: int) -> int:

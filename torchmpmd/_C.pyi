@@ -392,6 +392,7 @@ class runtime:
             replay_rng: bool = True,
             grads_start: Callable[[int], None] | None = None,
             overlap: bool = False,
+            backward_rng: set[int] = ...,
         ) -> None: ...
         # (kind, stage, microbatch, start_ns, end_ns, waited_ns, held_bytes,
         # kept_bytes); a fused task's kind is its action, '(0F3;3B1)OVERLAP_F_B'.

@@ -3,6 +3,7 @@ public `mpmd.Schedule` API; defined in `torchmpmd.schedule.builtins`."""
 
 from .schedule.builtins import (
     ZBV,
+    Combined1F1B,
     DualPipeV,
     Eager1F1B,
     GPipe,
@@ -13,6 +14,7 @@ from .schedule.builtins import (
 
 __all__ = [
     "ZBV",
+    "Combined1F1B",
     "DualPipeV",
     "Eager1F1B",
     "GPipe",

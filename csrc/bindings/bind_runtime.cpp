@@ -206,13 +206,15 @@ void bind_runtime(py::module_ m) {
              py::object weight_grad,
              std::map<std::pair<int32_t, int32_t>, std::vector<int64_t>> shapes,
              py::object stage_done, py::object unshard, bool replay_rng,
-             py::object grads_start, bool overlap) {
+             py::object grads_start, bool overlap,
+             std::set<int32_t> backward_rng) {
             runtime::StageFunctions fns =
                 wrap_functions(std::move(forward), std::move(input_grad),
                                std::move(weight_grad));
             fns.shapes = std::move(shapes);
             fns.replay_rng = replay_rng;
             fns.overlap = overlap;
+            fns.backward_rng = std::move(backward_rng);
             if (!stage_done.is_none()) {
               auto done = hold(std::move(stage_done));
               fns.stage_done = [done](int32_t stage) {
@@ -246,14 +248,17 @@ void bind_runtime(py::module_ m) {
           "generator to the forward callable. `overlap`: a fused task of "
           "forward and backward parts runs its two sides at once (the "
           "forward side on a thread of its own, `current_lane()` 1), results "
-          "unchanged.",
+          "unchanged. `backward_rng`: stages whose backward sets the random "
+          "generator (a checkpoint's replay): with `overlap`, their backward "
+          "counts as drawing random numbers.",
           py::arg("forward"), py::arg("input_grad") = py::none(),
           py::arg("weight_grad") = py::none(),
           py::arg("shapes") =
               std::map<std::pair<int32_t, int32_t>, std::vector<int64_t>>{},
           py::arg("stage_done") = py::none(), py::arg("unshard") = py::none(),
           py::arg("replay_rng") = true, py::arg("grads_start") = py::none(),
-          py::arg("overlap") = false)
+          py::arg("overlap") = false,
+          py::arg("backward_rng") = std::set<int32_t>{})
       .def_property_readonly("rank", &Executor::rank)
       .def_property_readonly("step_start_unix_ns",
                              &Executor::step_start_unix_ns)

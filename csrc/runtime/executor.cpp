@@ -311,8 +311,13 @@ bool Executor::overlaps(const Task& task, const std::vector<int32_t>& lanes,
   bool drawing[2] = {false, false};
   const schedule::Task::Parts parts = task.simple_parts();
   for (size_t k = 0; k < parts.size(); ++k) {
-    const auto d = draws_.find(parts.begin()[k].stage);
-    if (d == draws_.end() || d->second) drawing[lanes[k]] = true;
+    const Task& part = parts.begin()[k];
+    const auto d = draws_.find(part.stage);
+    if (d == draws_.end() || d->second ||
+        (schedule::info(part.kind).backward &&
+         st.fns->backward_rng.count(part.stage))) {
+      drawing[lanes[k]] = true;
+    }
   }
   return !(drawing[0] && drawing[1]);
 }

@@ -123,6 +123,10 @@ struct StageFunctions {
   // Run in order anyway: with memory measured, on a device, without
   // replay_rng.
   bool overlap = false;
+  // Stages whose backward sets the random generator's state itself
+  // (torch.utils.checkpoint replaying a selective recompute's numbers):
+  // their B, I and W count as drawing for `overlap`.
+  std::set<int32_t> backward_rng;
 };
 
 // The side of a fused task the calling thread runs: 1 for the forward

@@ -5,8 +5,9 @@ pairs, each side's all-to-alls on a process group of its own. The loss and
 every gradient equal those of the same schedule run part by part bit for
 bit, and the unpipelined model's on the whole global batch within 1e-10;
 the timeline shows the sides running at once. Also with full recomputation
-(the recompute joins the backward's side), FSDP2 over ep for the other
-parameters, a user's schedule fusing F with I (W kept
+(the recompute joins the backward's side), selective recomputation
+(torch's checkpoint replaying the generator in the backward), FSDP2 over ep
+for the other parameters, a user's schedule fusing F with I (W kept
 apart, later), and a stage failing inside a fused task (every rank's error
 names both parts' task)."""
 
@@ -44,8 +45,13 @@ def _fused_with_input_grad() -> mpmd.Schedule:
 CASES = {
     "plain": {},
     "full recompute": {"recompute": True},
+    # torchtitan's overlap did not compose with it. DualPipeV's tail splits
+    # the backward, which an ep stage does through autograd: two backward
+    # passes, which selective checkpointing refuses; so its whole backward.
+    "selective recompute": {"recompute": "selective"},
     "fsdp": {"data_parallel": "fsdp"},
     "fused F and I, W later": {},
+    "combined 1F1B": {},  # Megatron's: one stage per rank, 2 stages
 }
 
 
@@ -91,11 +97,16 @@ def overlap_cases(rank: int, world: int) -> list[str]:
         schedule = (
             _fused_with_input_grad()
             if name.startswith("fused F and I")
+            else mpmd.schedules.Combined1F1B(M)
+            if name == "combined 1F1B"
+            else mpmd.schedules.DualPipeV(M).with_full_backward(range(4))
+            if name == "selective recompute"
             else mpmd.schedules.DualPipeV(M)
         )
+        split = ["model.layers.2"] if name == "combined 1F1B" else SPLIT
         got = {}
         for overlap in (False, True):
-            pipe = mpmd.trace(case.build(), (x[:MICROBATCH],), split_before=SPLIT)
+            pipe = mpmd.trace(case.build(), (x[:MICROBATCH],), split_before=split)
             runner = mpmd.PipelineRunner(
                 pipe,
                 schedule,
@@ -130,6 +141,19 @@ def overlap_cases(rank: int, world: int) -> list[str]:
             )
         done.append(name)
     done.append(_fail_inside_fused_task(rank, mesh, case, x[part], y[part]))
+    # Selective recompute of a stage whose I and W are two backward passes
+    # through autograd: refused, saying what to run instead.
+    pipe = mpmd.trace(case.build(), (x[:MICROBATCH],), split_before=SPLIT)
+    runner = mpmd.PipelineRunner(
+        pipe,
+        mpmd.schedules.DualPipeV(M),
+        mesh=mesh,
+        loss_fn=case.loss,
+        options=mpmd.RunnerOptions(timeout=20, recompute="selective"),
+    )
+    with pytest.raises(Exception, match=r"is recomputed selectively.*with_full_backward"):
+        runner.step(x[part], target=y[part])
+    done.append("selective with I and W refused")
     return done
 
 
@@ -170,4 +194,4 @@ def _fail_inside_fused_task(rank, mesh, case, x, y) -> str:
 @pytest.mark.slow
 def test_fused_sides_at_once_equal_the_parts_in_order_and_the_plain_model():
     reports = check_all(run_ranks(overlap_cases, 4, deadline=400))
-    assert all(r == [*CASES, "failure"] for r in reports), reports
+    assert all(r == [*CASES, "failure", "selective with I and W refused"] for r in reports), reports

@@ -40,6 +40,7 @@ SCHEDULES = {
     "Interleaved1F1B": 4,
     "ZBV": 4,
     "DualPipeV": 4,
+    "Combined1F1B": 2,
 }
 
 

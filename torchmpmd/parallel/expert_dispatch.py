@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .. import _C
 from .protocol import running_again, running_task
@@ -203,11 +204,17 @@ class Dispatch:
         return out[:0]
 
     def _record(self, recv_counts: torch.Tensor) -> None:
-        if running_again():
-            return  # a recompute's tokens were counted by its forward
-        seen = self.traffic.tokens.get(self.path)
-        ran = recv_counts.sum(0)
-        self.traffic.tokens[self.path] = ran if seen is None else seen + ran
+        """Counts the tokens each local expert ran. A recompute's were counted
+        by its forward: an R task's, or selective recompute's replay inside
+        the backward. The counting's ops stay out of any dispatch mode, so
+        that selective recompute, which matches the ops of its replay to the
+        forward's one by one, sees the same ops in both."""
+        if running_again() or torch._C._current_graph_task_id() != -1:
+            return
+        with _disable_current_modes():
+            seen = self.traffic.tokens.get(self.path)
+            ran = recv_counts.sum(0)
+            self.traffic.tokens[self.path] = ran if seen is None else seen + ran
 
     def _top_k(
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor

@@ -58,6 +58,7 @@ BUILTIN_ORDER = (
     "Interleaved1F1B",
     "ZBV",
     "DualPipeV",
+    "Combined1F1B",
 )
 
 

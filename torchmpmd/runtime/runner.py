@@ -188,6 +188,9 @@ class PipelineRunner:
                     # from their own CPU generator (rank_rng.py).
                     replay_rng=not (rank_rng.in_rank_thread() and self.device.type == "cpu"),
                     overlap=bool(self.options.overlap) and layout.overlaps_sides,
+                    # Selective recompute's checkpoint replays the generator
+                    # in the backward.
+                    backward_rng=set(self._settings.selective_recompute),
                 )
             layout.finish(self._traced.tied_parameters)
             self.timeline = compiled.measured_timeline(self.num_ranks)

@@ -222,6 +222,16 @@ def build_split_stage(stages: StageHost, stage: int, step: StepTargets, mb: int)
         or any(isinstance(p, DTensor) for p in params)
         or experts_calls(module.graph)
     ):
+        if stage in stages.selective:
+            # Its I and W are two backward passes over the checkpointed
+            # forward; torch's selective checkpoint allows one.
+            raise ValueError(
+                f"stage {stage} splits its backward (I, W) through autograd (it calls "
+                "experts modules, or a parallelism rewrites it) and is recomputed "
+                "selectively: torch's selective checkpoint runs one backward per forward, "
+                f"and I and W are two. Run its whole backward (schedule.with_full_backward"
+                f"([{stage}])), or recompute it in full (recompute={{{stage}: 'full'}})"
+            )
         return AutogradStageSplit(params)
     spec = pipe.stage_specs[stage]
     received = [

@@ -6,6 +6,7 @@ from .task import Schedule, Task
 
 __all__ = [
     "ZBV",
+    "Combined1F1B",
     "DualPipeV",
     "Eager1F1B",
     "GPipe",
@@ -216,6 +217,37 @@ class ZBV(Schedule):
         seq += [Task("W", up, k) for k in range(w1, i1)]
         seq += [Task("W", down, k) for k in range(w0, i0)]
         return [t for t in seq if t.microbatch < m]
+
+
+class Combined1F1B(Schedule):
+    """1F1B whose steady state pairs each forward with the backward of an
+    earlier microbatch as one fused task (Megatron-Core's combined 1F1B,
+    `--overlap-moe-expert-parallel-comm`): with `RunnerOptions.overlap` the
+    two run at once, one's communication (expert parallelism's all-to-alls)
+    under the other's compute. One stage per rank.
+
+    A fused task starts once both parts' inputs are there, so the warm-up
+    is longer than 1F1B's: `2 (p - r) - 1` forwards on rank r (with `p - r`,
+    each rank's pair would wait for the next rank's pair of the same step,
+    and the ranks would take turns). It holds up to that many microbatches
+    of activations, as interleaved 1F1B does."""
+
+    def tasks(self, num_stages: int, num_ranks: int, num_microbatches: int) -> list[list[Task]]:
+        p, m = num_ranks, num_microbatches
+        if num_stages != p:
+            raise ValueError(
+                f"Combined1F1B runs one stage per rank: {p} stages for {p} ranks, got {num_stages}"
+            )
+        out = []
+        for r in range(p):
+            warmup = min(2 * (p - r) - 1, m)
+            row = [Task("F", r, k) for k in range(warmup)]
+            row += [
+                Task.fused(Task("F", r, warmup + i), Task("B", r, i)) for i in range(m - warmup)
+            ]
+            row += [Task("B", r, k) for k in range(m - warmup, m)]
+            out.append(row)
+        return out
 
 
 class DualPipeV(Schedule):

@@ -124,8 +124,9 @@ class TimelineEvent:
 
 
 # Chrome-trace rows per rank: tasks 0, transfers 1, waits 2, collectives and
-# exchanges 3.
+# exchanges 3; a fused task's parts as they ran, 4 + their lane (side).
 _TRACK = {"transfer": 1, "wait": 2, **dict.fromkeys((*COLLECTIVES, *EXCHANGES), 3)}
+_PART_TRACK = 4
 
 
 @dataclass(slots=True)
@@ -274,6 +275,22 @@ class Timeline:
                     },
                 }
             )
+            # A fused task's parts where they ran, a row per side: sides
+            # that ran at once show side by side, under the exchanges (row
+            # 3) each one hid.
+            for part, (a, b, lane) in zip(e.sub_tasks, e.part_spans, strict=False):
+                trace.append(
+                    {
+                        "name": f"{part} (part of {e.name})",
+                        "cat": "fused part",
+                        "ph": "X",
+                        "pid": e.rank,
+                        "tid": _PART_TRACK + lane,
+                        "ts": a * scale,
+                        "dur": max((b - a) * scale, 0.0),
+                        "args": {"stage": part.stage, "microbatch": part.microbatch, "side": lane},
+                    }
+                )
         return {"traceEvents": trace, "displayTimeUnit": "ms"}
 
     def save_chrome_trace(self, path: str | Path) -> None:

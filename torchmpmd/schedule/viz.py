@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .timeline import COLLECTIVES, Timeline
+from .timeline import COLLECTIVES, EXCHANGES, Timeline, TimelineEvent
 
 __all__ = ["plot"]
 
@@ -14,6 +14,7 @@ _COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#C44E52"}
 _OTHER = "#8172B3"  # any other task kind
 # A fused task's frame around the bands of its parts.
 _FUSED_EDGE = "#222222"
+_EXCHANGE_COLOR = "#111111"  # expert parallelism's all-to-alls inside tasks
 # Data-parallel collectives: a thin bar under the rank's tasks.
 _COLLECTIVE_COLORS = {"unshard": "#937860", "reduce_grads": "#8C8C8C"}
 
@@ -72,6 +73,10 @@ def plot(
     for k, (tl, ax) in enumerate(zip(timelines, axes[:, 0], strict=True)):
         tasks = tl.tasks
         collectives = [e for e in tl.events if e.kind in COLLECTIVES]
+        exchanges: dict[tuple[int, int, int], list[TimelineEvent]] = {}
+        for x in tl.events:
+            if x.kind in EXCHANGES:
+                exchanges.setdefault((x.rank, x.stage, x.microbatch), []).append(x)
         start = min((e.start for e in tasks + collectives), default=0.0)
         scale, unit = (1e3, "ms") if tl.unit == "s" else (1.0, tl.unit)
         span = max((e.end - start for e in tasks + collectives), default=1.0) * scale or 1.0
@@ -87,19 +92,36 @@ def plot(
             x0 = (e.start - start) * scale
             width = e.duration * scale
             # A fused task: one band per part, in its kind's color, top to
-            # bottom in part order, framed (its parts share the interval).
+            # bottom in part order, framed; each over the interval it ran
+            # where measured (sides at once overlap), else the task's.
             parts = e.sub_tasks or (None,)
             band = 0.8 / len(parts)
-            for j, part in enumerate(parts):
+            spans = [(a, b) for a, b, _ in e.part_spans] or [(e.start, e.end)] * len(parts)
+            for j, (part, (a, b)) in enumerate(zip(parts, spans, strict=True)):
+                y = e.rank - 0.4 + band * (j + 0.5)
                 ax.barh(
-                    e.rank - 0.4 + band * (j + 0.5),
-                    width,
-                    left=x0,
+                    y,
+                    (b - a) * scale,
+                    left=(a - start) * scale,
                     height=band,
                     color=_COLORS.get(part.kind if part else e.kind, _OTHER),
                     edgecolor="white",
                     linewidth=0.5 if part is None else 0,
                 )
+                # The exchanges (all-to-alls) inside this part, as dark
+                # strips across its band.
+                for x in exchanges.get(
+                    (e.rank, *((part.stage, part.microbatch) if part else (e.stage, e.microbatch))),
+                    [],
+                ):
+                    if a <= x.start and x.end <= b:
+                        ax.barh(
+                            y,
+                            max(x.duration * scale, span / 800),
+                            left=(x.start - start) * scale,
+                            height=band * 0.3,
+                            color=_EXCHANGE_COLOR,
+                        )
             if e.is_fused:
                 ax.barh(
                     e.rank,
@@ -139,6 +161,8 @@ def plot(
             Patch(facecolor="white", edgecolor=_FUSED_EDGE, label="fused: a band per part")
         )
     handles += [Patch(color=_COLLECTIVE_COLORS[k], label=k) for k in shown]
+    if any(e.kind in EXCHANGES for t in timelines for e in t.events):
+        handles.append(Patch(color=_EXCHANGE_COLOR, label="all-to-all"))
     fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=8)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     if path is not None:
