@@ -117,7 +117,9 @@ def overlap_cases(rank: int, world: int) -> list[str]:
             out = runner.step(x[part], target=y[part])
             got[overlap] = (out.loss.detach().clone(), _grads(runner))
             if overlap:
-                assert _ran_at_once(runner), f"{name}: no fused task's sides ran at once"
+                # Whether a rank ran some fused task's sides at once depends
+                # on when its inputs came (checked over every rank).
+                at_once = _ran_at_once(runner)
                 hidden, total = runner.timeline.hidden_communication()
                 assert total > 0 and 0 <= hidden <= total, (name, hidden, total)
             if name == "full recompute":
@@ -139,7 +141,7 @@ def overlap_cases(rank: int, world: int) -> list[str]:
                 atol=1e-10,
                 msg=f"{what}: {fqn}",
             )
-        done.append(name)
+        done.append((name, at_once))
     done.append(_fail_inside_fused_task(rank, mesh, case, x[part], y[part]))
     # Selective recompute of a stage whose I and W are two backward passes
     # through autograd: refused, saying what to run instead.
@@ -194,4 +196,11 @@ def _fail_inside_fused_task(rank, mesh, case, x, y) -> str:
 @pytest.mark.slow
 def test_fused_sides_at_once_equal_the_parts_in_order_and_the_plain_model():
     reports = check_all(run_ranks(overlap_cases, 4, deadline=400))
-    assert all(r == [*CASES, "failure", "selective with I and W refused"] for r in reports), reports
+    for r in reports:
+        assert [c if isinstance(c, str) else c[0] for c in r] == [
+            *CASES,
+            "failure",
+            "selective with I and W refused",
+        ], reports
+    for i, name in enumerate(CASES):
+        assert any(r[i][1] for r in reports), f"{name}: no rank ran a fused task's sides at once"
