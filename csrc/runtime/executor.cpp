@@ -369,10 +369,6 @@ void Executor::run_sides(size_t pc, const std::vector<int32_t>& lanes,
   // it around its long calls (the stage's callables, autograd) and waits.
   std::unique_lock<std::mutex> lock(st.mu);
   st.concurrent = true;
-  struct EndConcurrent {
-    State& st;
-    ~EndConcurrent() { st.concurrent = false; }
-  };
   std::exception_ptr side_error;
   const at::ThreadLocalState tls;  // grad mode, profiler callbacks, ...
   std::thread side([&] {
@@ -407,7 +403,7 @@ void Executor::run_sides(size_t pc, const std::vector<int32_t>& lanes,
     const Unlocked waiting(st);
     side.join();
   }
-  const EndConcurrent end{st};
+  st.concurrent = false;
   // A failed side stops the step; the other side's parts were run to
   // their end (or their own failure) first, so nothing is left running.
   if (own_error) std::rethrow_exception(own_error);

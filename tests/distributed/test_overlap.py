@@ -70,6 +70,17 @@ def _pipe(split: list[str]) -> mpmd.Pipe:
     return copy.deepcopy(_traced(tuple(split)))
 
 
+def _runner(mesh, schedule, split=SPLIT, **options) -> mpmd.PipelineRunner:
+    """A runner of a fresh copy of Qwen3-MoE cut at `split`, over `mesh`."""
+    return mpmd.PipelineRunner(
+        _pipe(split),
+        schedule,
+        mesh=mesh,
+        loss_fn=MODELS["qwen3_moe"].loss,
+        options=mpmd.RunnerOptions(**options),
+    )
+
+
 def _grads(runner: mpmd.PipelineRunner) -> dict[str, torch.Tensor]:
     return {
         n: whole_tensor(p.grad).clone() for n, p in runner.named_parameters() if p.grad is not None
@@ -121,14 +132,7 @@ def overlap_cases(rank: int, world: int) -> list[str]:
         split = ["model.layers.2"] if name == "combined 1F1B" else SPLIT
         got = {}
         for overlap in (False, True):
-            pipe = _pipe(split)
-            runner = mpmd.PipelineRunner(
-                pipe,
-                schedule,
-                mesh=mesh,
-                loss_fn=case.loss,
-                options=mpmd.RunnerOptions(timeout=60, overlap=overlap, **options),
-            )
+            runner = _runner(mesh, schedule, split, timeout=60, overlap=overlap, **options)
             out = runner.step(x[part], target=y[part])
             got[overlap] = (out.loss.detach().clone(), _grads(runner))
             if overlap:
@@ -159,23 +163,16 @@ def overlap_cases(rank: int, world: int) -> list[str]:
         done.append((name, at_once))
     # Selective recompute of a stage whose I and W are two backward passes
     # through autograd: refused, saying what to run instead.
-    pipe = _pipe(SPLIT)
-    runner = mpmd.PipelineRunner(
-        pipe,
-        mpmd.schedules.DualPipeV(M),
-        mesh=mesh,
-        loss_fn=case.loss,
-        options=mpmd.RunnerOptions(timeout=20, recompute="selective"),
-    )
+    runner = _runner(mesh, mpmd.schedules.DualPipeV(M), timeout=20, recompute="selective")
     with pytest.raises(Exception, match=r"is recomputed selectively.*with_full_backward"):
         runner.step(x[part], target=y[part])
     done.append("selective with I and W refused")
     # Last: a failed step leaves the mesh's groups aborted.
-    done.append(_fail_inside_fused_task(rank, mesh, case, x[part], y[part]))
+    done.append(_fail_inside_fused_task(mesh, x[part], y[part]))
     return done
 
 
-def _fail_inside_fused_task(rank, mesh, case, x, y) -> str:
+def _fail_inside_fused_task(mesh, x, y) -> str:
     # Pipeline rank 1 (global ranks 2, 3) runs stage 2's forward of
     # microbatch 2 inside the fused task (2F2;1B0): its third call raises.
     calls = {"n": 0}
@@ -192,14 +189,7 @@ def _fail_inside_fused_task(rank, mesh, case, x, y) -> str:
 
         return failing
 
-    pipe = _pipe(SPLIT)
-    runner = mpmd.PipelineRunner(
-        pipe,
-        mpmd.schedules.DualPipeV(M),
-        mesh=mesh,
-        loss_fn=case.loss,
-        options=mpmd.RunnerOptions(timeout=20, wrap_stage=wrap),
-    )
+    runner = _runner(mesh, mpmd.schedules.DualPipeV(M), timeout=20, wrap_stage=wrap)
     with pytest.raises(Exception) as err:
         runner.step(x, target=y)
     text = str(err.value)
