@@ -601,25 +601,37 @@ def _example_rows(case: Case, world: int) -> int:
     return max(2, case.batch // (2 * world))
 
 
-def run_case(case: Case, args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
-    load_before = os.getloadavg()[0]
+def case_data(case: Case) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The case's model (seeded) and its global batch of inputs and targets."""
     torch.manual_seed(0)
     reference = Transformer(case.args)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, case.args.vocab_size, (case.batch, case.seq + 1), generator=g)
-    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    return reference, tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def plan_case(
+    case: Case, reference: nn.Module, x: torch.Tensor, y: torch.Tensor, world: int, **kw: Any
+) -> mpmd.Plan:
+    """`mpmd.plan` of the case on `world` ranks, from its example microbatch."""
     rows = _example_rows(case, world)
-    dist.barrier()
-    start = time.perf_counter()
-    plan = mpmd.plan(
+    return mpmd.plan(
         reference,
         (x[:rows],),
         world,
         batch_size=case.batch,
         loss_fn=lm_loss,
         example_target=y[:rows],
-        tp_plan=TP_PLAN,
+        **kw,
     )
+
+
+def run_case(case: Case, args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
+    load_before = os.getloadavg()[0]
+    reference, x, y = case_data(case)
+    dist.barrier()
+    start = time.perf_counter()
+    plan = plan_case(case, reference, x, y, world, tp_plan=TP_PLAN)
     plan_s = time.perf_counter() - start
     configs = torch_configs(reference, x, y, rank, world)
     ours, failed = torchmpmd_configs(plan, reference, x, y, rank, world)

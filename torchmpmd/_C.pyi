@@ -206,6 +206,8 @@ class schedule:
         overlap_comm: bool
         comm: list[list[float]]
         overlap_sides: bool
+        shared_cores: float
+        demand_per_rank: float
         def __init__(self) -> None: ...
         @staticmethod
         def uniform(

@@ -169,7 +169,11 @@ void bind_schedule(py::module_ m) {
                      "Communication inside tasks, per kind and stage, part "
                      "of their time")
       .def_readwrite("overlap_sides", &Costs::overlap_sides,
-                     "A fused task's two sides run at once");
+                     "A fused task's two sides run at once")
+      .def_readwrite("shared_cores", &Costs::shared_cores,
+                     "Cores the ranks compute on (0: a device per rank)")
+      .def_readwrite("demand_per_rank", &Costs::demand_per_rank,
+                     "Cores one rank's compute takes");
 
   py::enum_<Op>(m, "Op")
       .value("compute", Op::kCompute)

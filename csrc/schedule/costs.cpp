@@ -74,6 +74,18 @@ Costs Costs::uniform(int32_t num_stages, double forward, double backward,
   return c;
 }
 
+bool Costs::shares_cores(int32_t num_ranks) const {
+  return shared_cores > 0 && num_ranks * demand_per_rank > shared_cores;
+}
+
+double Costs::sharing(double computing, int32_t num_ranks) const {
+  if (!shares_cores(num_ranks)) return 1.0;
+  const auto slowdown = [&](double ranks) {
+    return std::max(1.0, ranks * demand_per_rank / shared_cores);
+  };
+  return slowdown(computing) / slowdown(num_ranks);
+}
+
 void Costs::check(int32_t num_stages) const {
   const auto ok = [&](size_t n) {
     return static_cast<int32_t>(n) == num_stages;
@@ -116,6 +128,13 @@ void Costs::check(int32_t num_stages) const {
     MPMD_CHECK(unsharded_bytes[s] >= 0, "schedule: unsharded_bytes of stage ",
                s, " must not be negative");
   }
+  MPMD_CHECK(shared_cores >= 0,
+             "schedule: costs.shared_cores must be >= 0 (0: ",
+             "a device per rank), got ", shared_cores);
+  MPMD_CHECK(demand_per_rank > 0,
+             "schedule: costs.demand_per_rank must be > 0 (cores one rank's "
+             "compute takes), got ",
+             demand_per_rank);
   for (const auto& [key, value] : fused_time) {
     MPMD_CHECK(value >= 0, "schedule: the fused time of '", key,
                "' must not be negative, got ", value);

@@ -44,6 +44,17 @@ struct Costs {
   // that one side's communication hides under the other's compute.
   std::vector<std::vector<double>> comm;
   bool overlap_sides = false;
+  // Ranks sharing CPU cores (CPU ranks on one host, more ranks than cores):
+  // `shared_cores` is the cores the program's ranks compute on (0: each
+  // rank computes on a device of its own), `demand_per_rank` the cores one
+  // program rank's compute takes (its threads times the ranks it stands
+  // for: a pipeline rank of a data-parallel layout computes beside its
+  // replicas). The times above are measured with every rank computing at
+  // once; where fewer compute (a pipeline's bubbles), the kernel shares
+  // the cores among fewer and each runs faster. simulate() then charges
+  // each compute task by the ranks computing beside it (sharing()).
+  double shared_cores = 0;
+  double demand_per_rank = 1;
   double latency = 0;         // per message
   double bytes_per_unit = 0;  // link bandwidth; 0 = infinitely fast
   bool overlap_comm = true;   // sends run in the background
@@ -73,6 +84,14 @@ struct Costs {
   double unshard_time(int32_t stage) const;
   double reduce_grads_time(int32_t stage) const;
   int64_t unsharded_bytes_of(int32_t stage) const;
+  // Whether `num_ranks` ranks computing at once take more cores than
+  // shared_cores gives them.
+  bool shares_cores(int32_t num_ranks) const;
+  // The time a compute task takes with `computing` ranks at work (itself
+  // included), as a fraction of its time with all `num_ranks` at work: the
+  // cores' share each gets, max(1, computing x demand / cores), relative to
+  // that of all; 1 without shared cores.
+  double sharing(double computing, int32_t num_ranks) const;
   void check(int32_t num_stages) const;
 };
 

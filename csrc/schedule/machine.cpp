@@ -56,18 +56,20 @@ std::optional<double> Machine::ready(int32_t rank, const Task& task) const {
                   [&](const Instruction& recv) { return reads(task, recv); });
 }
 
-double Machine::run(int32_t rank, const Instruction& ins, double start) {
+double Machine::run(int32_t rank, const Instruction& ins, double start,
+                    double scale) {
   consume(rank, [&](const Instruction& recv) { return reads(ins, recv); });
   double end = start;
-  if (ins.op == Op::kCompute) end += costs_.of(ins.task);
+  if (ins.op == Op::kCompute) end += scale * costs_.of(ins.task);
   if (ins.op == Op::kUnshard) end += costs_.unshard_time(ins.value);
   clock_.at(rank) = end;
   return end;
 }
 
-double Machine::run(int32_t rank, const Task& task, double start) {
+double Machine::run(int32_t rank, const Task& task, double start,
+                    double scale) {
   consume(rank, [&](const Instruction& recv) { return reads(task, recv); });
-  const double end = start + costs_.of(task);
+  const double end = start + scale * costs_.of(task);
   clock_.at(rank) = end;
   return end;
 }

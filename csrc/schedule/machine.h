@@ -64,12 +64,14 @@ class Machine {
   // Runs the compute, tied reduce or unshard `ins` from `start` (at least
   // ready()), consuming the receives it reads; returns its end (a tied
   // reduce takes no time). A fused task that runs_parts() is run one part
-  // at a time, each as a compute of its own.
-  double run(int32_t rank, const Instruction& ins, double start);
+  // at a time, each as a compute of its own. A compute takes `scale` x its
+  // cost (the cores' share it gets: Costs::sharing).
+  double run(int32_t rank, const Instruction& ins, double start,
+             double scale = 1.0);
   // ready() and run() of a compute of the simple task `task` alone: a part
   // of a fused task that runs part by part.
   std::optional<double> ready(int32_t rank, const Task& task) const;
-  double run(int32_t rank, const Task& task, double start);
+  double run(int32_t rank, const Task& task, double start, double scale = 1.0);
   // Starts the gradient reduction `ins` of `rank` once the rank and its
   // collective channel are free; returns when it runs.
   Interval reduce_grads(int32_t rank, const Instruction& ins);

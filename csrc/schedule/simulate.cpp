@@ -1,6 +1,7 @@
 #include "schedule/simulate.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <optional>
 #include <set>
@@ -10,8 +11,14 @@
 
 namespace torchmpmd::schedule {
 
-Timeline simulate(const Program& program, const Costs& costs) {
-  costs.check(program.num_stages());
+namespace {
+
+// Per rank, per compute instruction in its order: the factor its cost is
+// charged by (Costs::sharing).
+using Scales = std::vector<std::vector<double>>;
+
+Timeline simulate_once(const Program& program, const Costs& costs,
+                       const Scales* scales) {
   const int32_t R = program.num_ranks();
   Timeline tl;
   tl.num_ranks = R;
@@ -121,6 +128,10 @@ Timeline simulate(const Program& program, const Costs& costs) {
   std::vector<size_t> part(R, 0);
   std::vector<double> fused_start(R, 0.0);
   std::vector<size_t> next_send(R, 0);
+  std::vector<size_t> computes(R, 0);  // compute instructions begun
+  const auto scale = [&](int32_t r) {
+    return scales ? (*scales)[r].at(computes[r]) : 1.0;
+  };
   const auto run_part = [&](int32_t r, double start) {
     const auto& code = program.ranks[r];
     const Instruction& ins = code[pc[r]];
@@ -131,7 +142,7 @@ Timeline simulate(const Program& program, const Costs& costs) {
       next_send[r] = pc[r] + 1;
     }
     const Task& piece = ins.task.parts[k];
-    const double end = machine.run(r, piece, start);
+    const double end = machine.run(r, piece, start, scale(r));
     keep(r, piece);
     while (next_send[r] < code.size() && code[next_send[r]].op == Op::kSend &&
            code[next_send[r]].part == static_cast<int32_t>(k)) {
@@ -143,6 +154,7 @@ Timeline simulate(const Program& program, const Costs& costs) {
       return;
     }
     compute(r, ins.task, fused_start[r], end);
+    ++computes[r];
     part[r] = 0;
     pc[r] = next_send[r];
     --remaining;
@@ -209,12 +221,96 @@ Timeline simulate(const Program& program, const Costs& costs) {
           machine.run(r, ins, best_time);
           break;
         }
-        const double end = machine.run(r, ins, best_time);
+        const double end = machine.run(r, ins, best_time, scale(r));
+        ++computes[r];
         for (const Task& t : ins.task.simple_parts()) keep(r, t);
         compute(r, ins.task, best_time, end);
         break;
       }
     }
+  }
+  return tl;
+}
+
+// Per rank, per compute event in its order: the mean over its interval of
+// the factor the ranks computing beside it give it (Costs::sharing).
+Scales shares(const Timeline& tl, const Costs& costs) {
+  std::vector<std::pair<double, int>> edges;  // (time, +1 start / -1 end)
+  for (const Event& e : tl.events) {
+    if (e.kind != EventKind::kCompute) continue;
+    edges.emplace_back(e.start, 1);
+    edges.emplace_back(e.end, -1);
+  }
+  std::sort(edges.begin(), edges.end());
+  // The factor is piecewise constant between edges: its integral up to
+  // each edge.
+  std::vector<double> at;
+  std::vector<double> integral;
+  std::vector<double> factor;  // from at[i] to at[i + 1]
+  int computing = 0;
+  double sum = 0;
+  for (size_t i = 0; i < edges.size(); ++i) {
+    if (!at.empty()) sum += factor.back() * (edges[i].first - at.back());
+    computing += edges[i].second;
+    at.push_back(edges[i].first);
+    integral.push_back(sum);
+    factor.push_back(costs.sharing(std::max(computing, 1), tl.num_ranks));
+  }
+  const auto integral_to = [&](double t) {
+    const size_t i = static_cast<size_t>(
+        std::upper_bound(at.begin(), at.end(), t) - at.begin());
+    if (i == 0) return 0.0;
+    return integral[i - 1] + factor[i - 1] * (t - at[i - 1]);
+  };
+  Scales out(tl.num_ranks);
+  for (const Event& e : tl.events) {
+    if (e.kind != EventKind::kCompute) continue;
+    const double span = e.end - e.start;
+    out[e.rank].push_back(
+        span > 0 ? (integral_to(e.end) - integral_to(e.start)) / span
+                 : costs.sharing(tl.num_ranks, tl.num_ranks));
+  }
+  return out;
+}
+
+}  // namespace
+
+Timeline simulate(const Program& program, const Costs& costs) {
+  costs.check(program.num_stages());
+  const int32_t R = program.num_ranks();
+  if (!costs.shares_cores(R)) return simulate_once(program, costs, nullptr);
+  // The ranks share cores: each compute's time depends on how many compute
+  // beside it, which depends on the times. From every rank at work (the
+  // times as measured), each compute is charged by the ranks computing
+  // beside it in the last timeline until the charges settle (two or three
+  // rounds); where they swing back and forth, halfway each round.
+  Scales scales(R);
+  for (int32_t r = 0; r < R; ++r) {
+    for (const Instruction& ins : program.ranks[r]) {
+      if (ins.op == Op::kCompute) scales[r].push_back(1.0);
+    }
+  }
+  constexpr int kRounds = 16;
+  Timeline tl = simulate_once(program, costs, &scales);
+  double step = 1.0;  // how far each round moves the charges
+  double last_change = std::numeric_limits<double>::infinity();
+  for (int round = 0; round < kRounds; ++round) {
+    const Scales next = shares(tl, costs);
+    double change = 0;
+    for (int32_t r = 0; r < R; ++r) {
+      for (size_t k = 0; k < scales[r].size(); ++k) {
+        change = std::max(change, std::abs(next[r].at(k) - scales[r][k]));
+      }
+    }
+    if (change < 1e-9) break;
+    if (change >= last_change) step = 0.5;
+    last_change = change;
+    for (int32_t r = 0; r < R; ++r) {
+      for (size_t k = 0; k < scales[r].size(); ++k) {
+        scales[r][k] += step * (next[r][k] - scales[r][k]);
+      }
+    }
+    tl = simulate_once(program, costs, &scales);
   }
   return tl;
 }

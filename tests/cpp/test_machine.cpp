@@ -143,5 +143,45 @@ TEST(TimelineStats, TransfersDoNotCount) {
   EXPECT_DOUBLE_EQ(s.step_time, 9);
 }
 
+// Ranks sharing cores: the costs are as measured with every rank at work;
+// a rank computing alone gets a core of its own and runs faster.
+TEST(Machine, RanksSharingCoresComputeFasterWhereFewerCompute) {
+  const auto g = PipelineGraph::chain(4, 1);
+  Costs c = Costs::uniform(4, 1.0, 2.0);
+  // One microbatch: one rank computes at a time, F 4 x 1 + B 4 x 2.
+  const Program one = schedule::lower(g, gpipe(4, 4, 1), c);
+  EXPECT_DOUBLE_EQ(schedule::simulate(one, c).step_time(), 12);
+  c.shared_cores = 4;  // as many cores as ranks: nothing shared
+  EXPECT_DOUBLE_EQ(schedule::simulate(one, c).step_time(), 12);
+  c.shared_cores = 2;  // 4 ranks at work ran at half speed; one alone at full
+  EXPECT_NEAR(schedule::simulate(one, c).step_time(), 6, 1e-9);
+  c.shared_cores = 4;
+  c.demand_per_rank = 2;  // each rank stands for two (its replica)
+  EXPECT_NEAR(schedule::simulate(one, c).step_time(), 6, 1e-9);
+
+  // Many microbatches: faster than every rank at work throughout, never
+  // faster than the work spread over the 2 cores.
+  Costs shared = Costs::uniform(4, 1.0, 2.0);
+  const Program many = schedule::lower(g, one_f_one_b(4, 16), shared);
+  const double busy = schedule::simulate(many, shared).step_time();
+  shared.shared_cores = 2;
+  const auto tl = schedule::simulate(many, shared);
+  double work = 0;  // as measured (every rank at work: half speed)
+  for (const auto& e : tl.events) {
+    if (e.kind == EventKind::kCompute) work += shared.of(e.task);
+  }
+  EXPECT_LT(tl.step_time(), busy);
+  EXPECT_GE(tl.step_time(), work / 2 / 2 - 1e-9);
+  // Each rank still runs its tasks one at a time, in its order.
+  std::map<int32_t, double> free_at;
+  for (const auto& e : tl.events) {
+    if (e.kind != EventKind::kCompute) continue;
+    EXPECT_GE(e.start, free_at[e.rank] - 1e-9) << schedule::to_string(e.task);
+    free_at[e.rank] = e.end;
+  }
+  shared.shared_cores = -1;
+  EXPECT_THROW(schedule::simulate(many, shared), Error);
+}
+
 }  // namespace
 }  // namespace torchmpmd

@@ -5,15 +5,27 @@ The profile runs on rank 0 while the other ranks wait. In the job every
 rank computes at the same time, and where ranks share cores, caches or the
 memory bus (CPU ranks on one host, or more ranks than cores) each runs
 slower than it did alone: on 2 cores with 4 Gloo ranks, every measured step
-was about 2x its prediction, with 2 ranks about 1.1x. So the planner times
-one fixed piece of work (matmuls and elementwise ops, about 40 ms) on rank 0
-alone, then on every rank at once, and scales the profile's times by the
-ratio (rank 0's medians; every rank gets the same factor). On GPUs, one per
-rank, the ratio is 1 and nothing changes.
+was about 2x its prediction, with 2 ranks about 1.1x. So the planner counts
+how many pieces of fixed work (matmuls and elementwise ops, a few ms each)
+rank 0 finishes in a window alone, then every rank in the same window at
+once, and scales the profile's times by the ratio of rank 0's fastest rate
+alone to the median of the ranks' mean rates together (every rank gets the
+same factor). On GPUs,
+one per rank, the ratio is 1 and nothing changes.
+
+A rate over a window, averaged over the ranks, rather than one piece timed
+on rank 0: where ranks outnumber cores the kernel shares the cores fairly
+over tens of milliseconds but not over one piece, and ranks leave a barrier
+at different times. Timing three 40 ms pieces on rank 0 gave 1.7-3.4 for
+the same 4 ranks on 2 cores, and 1.26-1.29 in the benchmark's later
+launches (their pipelines then predicted 0.6-0.75x of their measured
+steps); the rates give 2.0-2.3.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -21,55 +33,95 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["contention", "in_compute_cost"]
+__all__ = ["contention", "cores", "in_compute_cost"]
 
 
-def _work() -> Callable[[], float]:
+def _piece() -> Callable[[], None]:
     a = torch.randn(192, 192)
     b = torch.randn(192, 192)
 
-    def run() -> float:
-        start = time.perf_counter()
+    def run() -> None:
         x = a
-        for _ in range(160):
+        for _ in range(20):
             x = torch.tanh(x @ b) + a
-        return time.perf_counter() - start
 
     return run
 
 
-_ALONE_SECONDS = 0.5  # the others' sleep, long enough for rank 0's repeats
+def _rate(piece: Callable[[], None], window: float) -> float:
+    """Pieces per second over at least `window` seconds."""
+    done = 0
+    start = time.perf_counter()
+    while True:
+        piece()
+        done += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= window:
+            return done / elapsed
 
 
-def contention(group: dist.ProcessGroup | None = None, repeats: int = 3) -> float:
-    """The slowdown of rank 0's compute with every rank of `group` computing
-    at once (>= 1; 1.0 without several ranks). A collective: every rank
+def contention(
+    group: dist.ProcessGroup | None = None, repeats: int = 3, window: float = 0.25
+) -> float:
+    """The slowdown of a rank's compute with every rank of `group`
+    computing at once (>= 1; 1.0 without several ranks): rank 0's fastest
+    rate alone over the median of the ranks' mean rates together, over
+    `repeats` windows of `window` seconds each. A collective: every rank
     calls it."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return 1.0
-    run = _work()
-    run()  # warm
+    piece = _piece()
+    piece()  # warm
+    size = dist.get_world_size(group)
     first = dist.get_global_rank(group, 0) if group is not None else 0
     me = dist.get_rank()
-    # Rank 0 alone while the others sleep (a rank waiting in a collective
-    # may spin on its core: it would not be alone); on a slow machine it
-    # times fewer runs, to stay inside their sleep. Every rank takes part in
-    # the same number of barriers below, whatever rank 0 does here.
-    dist.barrier(group)
     alone: list[float] = []
-    if me == first:
-        alone = [run()]
-        while len(alone) < repeats and sum(alone) * 2 < _ALONE_SECONDS:
-            alone.append(run())
-    else:
-        time.sleep(_ALONE_SECONDS)
     together: list[float] = []
     for _ in range(repeats):
+        # Rank 0 alone while the others sleep (a rank waiting in a
+        # collective may spin on its core: it would not be alone).
         dist.barrier(group)
-        together.append(run())
-    box = [statistics.median(together) / statistics.median(alone) if me == first else 0.0]
+        if me == first:
+            alone.append(_rate(piece, window))
+        else:
+            time.sleep(window + 0.1)
+        dist.barrier(group)
+        rates = torch.tensor([_rate(piece, window)], dtype=torch.float64)
+        dist.all_reduce(rates, group=group)
+        together.append(float(rates.item()) / size)
+    box = [max(alone) / statistics.median(together) if me == first else 0.0]
     dist.broadcast_object_list(box, src=first, group=group)
     return max(1.0, float(box[0]))
+
+
+def _usable_cores() -> float:
+    """The cores this process may run on: its affinity, capped by a cgroup
+    quota where one is set (a container's `--cpus`)."""
+    try:
+        count = float(len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        count = float(os.cpu_count() or 1)
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            count = min(count, max(1.0, float(quota) / float(period)))
+    except (OSError, ValueError):
+        pass
+    return count
+
+
+def cores(group: dist.ProcessGroup | None = None) -> tuple[float, float]:
+    """The cores the ranks of `group` compute on (each host's usable cores,
+    summed over the hosts) and the threads a rank computes with (the most of
+    any rank). A collective: every rank calls it."""
+    mine = (socket.gethostname(), _usable_cores(), torch.get_num_threads())
+    if not (dist.is_available() and dist.is_initialized()):
+        return mine[1], float(mine[2])
+    every: list[tuple[str, float, int] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    hosts = {host: count for host, count, _ in filter(None, every)}
+    return sum(hosts.values()), float(max(t for _, _, t in filter(None, every)))
 
 
 def in_compute_cost(group: dist.ProcessGroup | None = None, repeats: int = 3) -> float:

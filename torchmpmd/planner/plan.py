@@ -56,7 +56,7 @@ from .candidates import (
     simplicity,
     why_not,
 )
-from .contention import contention, in_compute_cost
+from .contention import contention, cores, in_compute_cost
 from .expert_costs import ExpertShares, over_ep
 from .expert_costs import probe as probe_experts
 from .job_runs import charged, dp_per_byte, per_call_costs, runs
@@ -158,9 +158,9 @@ def plan(
     notes: list[str] = []
     if links is None and (wanted is None or any(w.num_devices > w.pp for w in wanted)):
         links = _calibrated(num_ranks, notes, _parameter_bytes(model))
-    slowdown, in_compute = 1.0, 0.0
+    slowdown, in_compute, shared = 1.0, 0.0, None
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() == num_ranks > 1:
-        slowdown, in_compute = contention(), in_compute_cost()
+        slowdown, in_compute, found = contention(), in_compute_cost(), cores()
         if slowdown > 1.05:
             notes.append(
                 f"the ranks compute {slowdown:.2f}x slower together than one alone (they share "
@@ -169,6 +169,13 @@ def plan(
             )
             if links is not None:
                 links = _Slowed(links, slowdown)
+            if num_ranks * found[1] > found[0]:
+                shared = found
+                notes.append(
+                    f"{num_ranks} ranks of {found[1]:g} thread(s) share {found[0]:g} cores: a "
+                    "pipeline's tasks are simulated at that slowdown where every rank computes, "
+                    "faster where fewer do (its bubbles)"
+                )
     job_runs = runs(
         model,
         example_args,
@@ -195,6 +202,7 @@ def plan(
         optimizer_state=float(optimizer_state),
         counted=device_memory is not None,
         in_compute=in_compute,
+        cores=shared,
     )
 
     def run() -> Plan:
@@ -274,6 +282,9 @@ class _Search:
     tp_calls: Mapping[int, PerCall] = dataclasses.field(default_factory=dict)
     # Compute seconds per gradient byte averaged (measured on the job, `job_runs.dp_per_byte`).
     dp_per_byte: float = 0.0
+    # Where the ranks outnumber the cores they share: the cores and the
+    # threads one rank computes with (`contention.cores`; None: not shared).
+    cores: tuple[float, float] | None = None
 
     def layout(
         self, layout: Layout, costs: RowCosts, shares: _Shares
@@ -318,9 +329,28 @@ class _Search:
                         prof = charged(prof, self.dp_per_byte, layout.dp, m)
                     for policy in policies(cls, stages, m, layout.pp, self.limits[0], prof):
                         out.append(
-                            weigh(cls, stages, m, layout, prof, policy, self.limits, charges)
+                            weigh(
+                                cls,
+                                stages,
+                                m,
+                                layout,
+                                prof,
+                                policy,
+                                self.limits,
+                                charges,
+                                self._sharing(layout),
+                            )
                         )
         return out
+
+    def _sharing(self, layout: Layout) -> tuple[float, float] | None:
+        """The cores the ranks share, and those one pipeline rank takes: it
+        stands for the ranks of its replicas and tp and ep groups, which
+        compute beside it."""
+        if self.cores is None or layout.pp == 1:
+            return None
+        cores, threads = self.cores
+        return cores, threads * layout.num_devices / layout.pp
 
     def _classes(self, layout: Layout) -> list[type[Schedule]]:
         """pp = 1: one stage, the first single-stage class (1F1B by default:

@@ -76,9 +76,11 @@ class _Simulator:
         latency: float,
         selective: frozenset[int] = frozenset(),
         charges: StageCharges | None = None,
+        sharing: tuple[float, float] | None = None,
     ) -> None:
         self.profile = profile
         self.charges = charges
+        self.sharing = sharing
         self.placement = lowering.schedule.placement(lowering.num_stages, lowering.num_ranks)
         self.n = lowering.num_stages
         self.lowering = lowering
@@ -168,7 +170,10 @@ class _Simulator:
                 out[src] += t.bytes
         return out
 
-    def costs(self, starts: tuple[int, ...]) -> Costs:
+    def costs(self, starts: tuple[int, ...], shared: bool = False) -> Costs:
+        """The split's costs; `shared`: with the cores the ranks share
+        (`sharing`: the simulator then charges each task by the ranks
+        computing beside it, a few simulations per prediction)."""
         stages = self.stages(starts)
         sent = self.sent(starts)
         split = self.split_backward(starts)
@@ -194,6 +199,8 @@ class _Simulator:
             unit="s",
             bandwidth=self.bandwidth,
             latency=self.latency,
+            shared_cores=self.sharing[0] if shared and self.sharing else 0.0,
+            demand_per_rank=self.sharing[1] if shared and self.sharing else 1.0,
         )
 
     def graph(self, starts: tuple[int, ...]) -> tuple[StageGraph, int]:
@@ -213,22 +220,25 @@ class _Simulator:
                 tied.append((stages, nbytes))
         return StageGraph(self.n, tuple(edges), tuple(tied)), crossing
 
-    def evaluate(self, starts: tuple[int, ...]) -> _Eval:
-        found = self.cache.get(starts)
+    def evaluate(self, starts: tuple[int, ...], shared: bool = False) -> _Eval:
+        """The split's prediction; the search compares splits without the
+        shared cores (`costs`), the chosen one is predicted with them."""
+        found = None if shared else self.cache.get(starts)
         if found is None:
             graph, crossing = self.graph(starts)
-            costs = self.costs(starts)
+            costs = self.costs(starts, shared)
             predicted: Prediction = self.lowering.compile(graph, costs).predict(costs)
             peak = tuple(
                 a + h
                 for a, h in zip(predicted.peak_activation_bytes, self.held(starts), strict=True)
             )
             found = _Eval(starts, predicted.step_time, peak, crossing)
-            self.cache[starts] = found
+            if not shared:
+                self.cache[starts] = found
         return found
 
     def timeline(self, starts: tuple[int, ...]) -> Timeline:
-        costs = self.costs(starts)
+        costs = self.costs(starts, shared=True)
         return self.lowering.compile(self.graph(starts)[0], costs).simulate(costs)
 
 
@@ -371,6 +381,7 @@ def search(
     latency: float = 0.0,
     selective: Collection[int] = (),
     charges: StageCharges | None = None,
+    sharing: tuple[float, float] | None = None,
 ) -> Balance:
     """The split of `profile`'s units into `num_stages` stages with the shortest
     simulated step under `schedule` on `num_ranks` ranks.
@@ -386,7 +397,11 @@ def search(
     tensor-parallel layout's, `layouts.StageCharges`), each stage's gradient
     reduction (and FSDP gather) is simulated beside the schedule, and the
     peaks (and `memory_limit`) count each rank's parameters, gradients and
-    optimizer states on top of its activations.
+    optimizer states on top of its activations. With `sharing` (the cores
+    the ranks compute on, the cores one pipeline rank's compute takes: CPU
+    ranks outnumbering cores), the chosen split (and the even one) is
+    predicted with each task charged by the ranks computing beside it
+    (`Costs.shared_cores`).
     """
     num_stages = check_num_stages(num_stages)
     collectives = (
@@ -403,7 +418,7 @@ def search(
             "mpmd.trace(..., split_before=[...]) or mpmd.mark_stage_end"
         )
     chosen = _selective(profile, selective, num_stages)
-    sim = _Simulator(profile, lowering, float(bandwidth), float(latency), chosen, charges)
+    sim = _Simulator(profile, lowering, float(bandwidth), float(latency), chosen, charges, sharing)
     limit = float(memory_limit) if memory_limit is not None else None
     even = _even_starts(units, num_stages)
     if math.comb(units - 1, num_stages - 1) <= EXHAUSTIVE_LIMIT:
@@ -430,7 +445,9 @@ def search(
             "more stages or ranks, fewer microbatches in flight (OneFOneB rather than GPipe), "
             "or recompute (PipelineRunner(recompute=...))"
         )
-    even_eval = sim.evaluate(even)
+    if sharing is not None:
+        best = sim.evaluate(best.starts, shared=True)
+    even_eval = sim.evaluate(even, shared=sharing is not None)
     bounds = itertools.pairwise([*best.starts, units])
     stage_costs = tuple(
         StageCost(units=profile.units[s:e], forward=f, backward=b, activation_bytes=a)
@@ -466,10 +483,11 @@ def simulate(
     latency: float = 0.0,
     selective: Collection[int] = (),
     charges: StageCharges | None = None,
+    sharing: tuple[float, float] | None = None,
 ) -> Timeline:
     """The simulated step of one split of `profile` (units named as in
-    `split_before`), priced as `search` prices every split (the stages in
-    `selective` under selective recompute)."""
+    `split_before`), priced as `search` prices its chosen split (the stages
+    in `selective` under selective recompute)."""
     if isinstance(split_before, str):
         raise TypeError(f"mpmd.balance: split_before must be a list, write [{split_before!r}]")
     unknown = [u for u in split_before if u not in profile.units[1:]]
@@ -490,7 +508,7 @@ def simulate(
     )
     _, lowering = resolve_schedule(schedule, num_stages, num_ranks, collectives)
     chosen = _selective(profile, selective, num_stages)
-    sim = _Simulator(profile, lowering, float(bandwidth), float(latency), chosen, charges)
+    sim = _Simulator(profile, lowering, float(bandwidth), float(latency), chosen, charges, sharing)
     return sim.timeline(starts)
 
 

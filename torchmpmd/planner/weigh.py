@@ -162,11 +162,14 @@ def weigh(
     policy: dict[int, str],
     limits: tuple[float | None, float, float],
     charges: StageCharges | None = None,
+    sharing: tuple[float, float] | None = None,
 ) -> tuple[Candidate, Balance | None]:
     """The best split of `prof` for `cls(m)` on `stages` stages over
     `layout.pp` pipeline ranks, recomputing as `policy` says (stage ->
     "full": R tasks; "selective": its costs), each stage's data-parallel
-    collectives and state as `charges` says, or why none runs."""
+    collectives and state as `charges` says, or why none runs. `sharing`:
+    the cores the ranks compute on and the cores one pipeline rank takes
+    (`splits.search`)."""
     memory_limit, bandwidth, latency = limits
     full = frozenset(s for s, mode in policy.items() if mode == "full")
     try:
@@ -188,6 +191,7 @@ def weigh(
             latency=latency,
             selective=[s for s, mode in policy.items() if mode == "selective"],
             charges=charges,
+            sharing=sharing,
         )
     except ValueError as err:
         text = str(err).removeprefix("mpmd.balance: ")

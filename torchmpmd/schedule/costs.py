@@ -105,6 +105,16 @@ class Costs:
     backward (DualPipeV's F&B) runs its two sides at once: it takes the
     longer of its parts' compute (exchanges left out) and each side's time,
     so that one side's exchanges hide under the other's compute.
+
+    Ranks sharing CPU cores (more CPU ranks than cores on a host):
+    `shared_cores` is the cores the ranks compute on (0: each rank has a
+    device of its own) and `demand_per_rank` the cores one rank's compute
+    takes (its threads times the ranks it stands for, e.g. its data-parallel
+    replicas). The task times are then taken as measured with every rank at
+    work, and the simulator charges each task by the ranks computing beside
+    it: where fewer compute (a pipeline's bubbles) the cores are shared
+    among fewer and each runs faster, by max(1, computing x demand / cores)
+    relative to that of every rank.
     """
 
     forward: PerStage = 1.0
@@ -125,6 +135,8 @@ class Costs:
     unit: str = "units"
     overlap_comm: bool = True
     overlap_sides: bool = True
+    shared_cores: float = 0.0
+    demand_per_rank: float = 1.0
 
     @staticmethod
     def exchange_time(sent_bytes: float, calls: int, latency: float, bandwidth: float) -> float:
@@ -205,6 +217,8 @@ class Costs:
         c.overlap_comm = self.overlap_comm
         c.comm = [list(comm[letter]) if letter in comm else [] for letter in TABLE] if comm else []
         c.overlap_sides = self.overlap_sides
+        c.shared_cores = float(self.shared_cores)
+        c.demand_per_rank = float(self.demand_per_rank)
         return c
 
     @staticmethod

@@ -448,6 +448,25 @@ def test_simulate_prices_one_split_like_search():
         simulate(prof, "layers.2")
 
 
+def test_ranks_sharing_cores_are_predicted_faster_in_the_bubbles():
+    prof = _random_profile(8, 2)
+    schedule = S.OneFOneB(4)
+    plain = search(prof, 4, schedule=schedule, num_ranks=4)
+    # 4 ranks on 2 cores: the profile's times are those of every rank at
+    # work; where fewer compute they run faster, never faster than alone.
+    shared = search(prof, 4, schedule=schedule, num_ranks=4, sharing=(2.0, 1.0))
+    assert shared.split_before == plain.split_before
+    assert plain.predicted_step / 2 <= shared.predicted_step < 0.95 * plain.predicted_step
+    assert shared.timeline.step_time == shared.predicted_step
+    again = simulate(prof, shared.split_before, schedule=schedule, num_ranks=4, sharing=(2.0, 1.0))
+    assert again.step_time == shared.predicted_step
+    assert shared.even_step < plain.even_step
+    # As many cores as ranks (or each rank standing for 2 on 8): nothing changes.
+    for sharing in ((4.0, 1.0), (8.0, 2.0)):
+        roomy = search(prof, 4, schedule=schedule, num_ranks=4, sharing=sharing)
+        assert roomy.predicted_step == plain.predicted_step
+
+
 def test_balance_pickles():
     found = search(_random_profile(5, 0), 2)
     # What rank 0 broadcasts to the other ranks under torch.distributed.
