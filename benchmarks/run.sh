@@ -31,6 +31,8 @@ python benchmarks/overlap.py --rounds 9 --recompute --json "$OUT/overlap_recompu
 echo "== torchmpmd against torch's DDP, FSDP2 and TP, three models (2 and 4 ranks)"
 python benchmarks/mpmd_vs_spmd.py --nproc 2 --rounds 9 --json "$OUT/mpmd_vs_spmd_2.json" 2>&1 | quiet
 python benchmarks/mpmd_vs_spmd.py --nproc 4 --rounds 9 --json "$OUT/mpmd_vs_spmd_4.json" 2>&1 | quiet
+echo "== 4 ranks on 2 cores: predictions with the shared cores and with every rank busy"
+python benchmarks/shared_cores.py --model pipeline-wins --rounds 7 --json "$OUT/shared_cores.json" 2>&1 | quiet
 echo "== I + W against B, one stage"
 python benchmarks/split_backward.py 2>&1 | quiet | tee "$OUT/split_backward.txt"
 python benchmarks/report.py "$OUT"
