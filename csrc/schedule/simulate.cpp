@@ -282,8 +282,10 @@ Timeline simulate(const Program& program, const Costs& costs) {
   // The ranks share cores: each compute's time depends on how many compute
   // beside it, which depends on the times. From every rank at work (the
   // times as measured), each compute is charged by the ranks computing
-  // beside it in the last timeline until the charges settle (two or three
-  // rounds); where they swing back and forth, halfway each round.
+  // beside it in the last timeline until the charges settle, at most
+  // kRounds rounds; where they swing back and forth, halfway each round.
+  // They settle geometrically: a one-microbatch chain in two rounds,
+  // 1F1B(16) on 4 ranks within 1e-3 after 5 and 2e-9 after the 16th.
   Scales scales(R);
   for (int32_t r = 0; r < R; ++r) {
     for (const Instruction& ins : program.ranks[r]) {
