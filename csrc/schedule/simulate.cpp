@@ -266,9 +266,9 @@ Scales shares(const Timeline& tl, const Costs& costs) {
   for (const Event& e : tl.events) {
     if (e.kind != EventKind::kCompute) continue;
     const double span = e.end - e.start;
+    // An empty task takes no time whatever its factor.
     out[e.rank].push_back(
-        span > 0 ? (integral_to(e.end) - integral_to(e.start)) / span
-                 : costs.sharing(tl.num_ranks, tl.num_ranks));
+        span > 0 ? (integral_to(e.end) - integral_to(e.start)) / span : 1.0);
   }
   return out;
 }

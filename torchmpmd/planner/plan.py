@@ -160,8 +160,8 @@ def plan(
         links = _calibrated(num_ranks, notes, _parameter_bytes(model))
     slowdown, in_compute, shared = 1.0, 0.0, None
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() == num_ranks > 1:
-        slowdown, in_compute, found = contention(), in_compute_cost(), cores()
-        if slowdown > 1.05:
+        slowdown, in_compute = contention(), in_compute_cost()
+        if slowdown > 1.05:  # the same on every rank (rank 0's, broadcast)
             notes.append(
                 f"the ranks compute {slowdown:.2f}x slower together than one alone (they share "
                 "cores or memory: measured); the profile's times and the collectives beside "
@@ -169,6 +169,7 @@ def plan(
             )
             if links is not None:
                 links = _Slowed(links, slowdown)
+            found = cores()
             if num_ranks * found[1] > found[0]:
                 shared = found
                 notes.append(

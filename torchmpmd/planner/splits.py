@@ -220,26 +220,37 @@ class _Simulator:
                 tied.append((stages, nbytes))
         return StageGraph(self.n, tuple(edges), tuple(tied)), crossing
 
-    def evaluate(self, starts: tuple[int, ...], shared: bool = False) -> _Eval:
-        """The split's prediction; the search compares splits without the
-        shared cores (`costs`), the chosen one is predicted with them."""
-        found = None if shared else self.cache.get(starts)
+    def evaluate(self, starts: tuple[int, ...]) -> _Eval:
+        """The split's prediction, without the shared cores: the search
+        compares splits by it (`shared` predicts the chosen one)."""
+        found = self.cache.get(starts)
         if found is None:
             graph, crossing = self.graph(starts)
-            costs = self.costs(starts, shared)
+            costs = self.costs(starts)
             predicted: Prediction = self.lowering.compile(graph, costs).predict(costs)
-            peak = tuple(
-                a + h
-                for a, h in zip(predicted.peak_activation_bytes, self.held(starts), strict=True)
-            )
-            found = _Eval(starts, predicted.step_time, peak, crossing)
-            if not shared:
-                self.cache[starts] = found
+            found = self._eval(starts, predicted, crossing)
+            self.cache[starts] = found
         return found
 
-    def timeline(self, starts: tuple[int, ...]) -> Timeline:
+    def _eval(
+        self, starts: tuple[int, ...], predicted: Prediction | Timeline, crossing: int
+    ) -> _Eval:
+        peak = tuple(
+            a + h for a, h in zip(predicted.peak_activation_bytes, self.held(starts), strict=True)
+        )
+        return _Eval(starts, predicted.step_time, peak, crossing)
+
+    def shared(self, starts: tuple[int, ...]) -> tuple[_Eval, Timeline]:
+        """The split's prediction and timeline with the shared cores (one
+        simulation: with them it takes several rounds)."""
+        graph, crossing = self.graph(starts)
+        timeline = self.timeline(starts, graph)
+        return self._eval(starts, timeline, crossing), timeline
+
+    def timeline(self, starts: tuple[int, ...], graph: StageGraph | None = None) -> Timeline:
         costs = self.costs(starts, shared=True)
-        return self.lowering.compile(self.graph(starts)[0], costs).simulate(costs)
+        graph = graph if graph is not None else self.graph(starts)[0]
+        return self.lowering.compile(graph, costs).simulate(costs)
 
 
 def _even_starts(num_units: int, num_stages: int) -> tuple[int, ...]:
@@ -446,8 +457,11 @@ def search(
             "or recompute (PipelineRunner(recompute=...))"
         )
     if sharing is not None:
-        best = sim.evaluate(best.starts, shared=True)
-    even_eval = sim.evaluate(even, shared=sharing is not None)
+        best, timeline = sim.shared(best.starts)
+        even_eval = sim.shared(even)[0]
+    else:
+        timeline = sim.timeline(best.starts)
+        even_eval = sim.evaluate(even)
     bounds = itertools.pairwise([*best.starts, units])
     stage_costs = tuple(
         StageCost(units=profile.units[s:e], forward=f, backward=b, activation_bytes=a)
@@ -465,7 +479,7 @@ def search(
         method=method,
         splits_simulated=len(sim.cache),
         profile=profile,
-        timeline=sim.timeline(best.starts),
+        timeline=timeline,
     )
 
 
