@@ -103,16 +103,18 @@ def runner_of(
     base: RunnerOptions,
     mesh: DeviceMesh | None,
     group: dist.ProcessGroup | None = None,
+    batch_kwargs: dict[str, Any] | None = None,
 ) -> PipelineRunner:
-    """The runner of candidate `c` for a batch of `rows` rows per rank."""
+    """The runner of candidate `c` for a batch of `rows` rows per rank
+    (`batch_kwargs`: the keyword inputs `runner.step` takes beside it)."""
     assert c.schedule is not None
     if rows % c.num_microbatches:
         raise ValueError(
             f"mpmd.build: this rank's batch has {rows} rows, which do not divide into the "
             f"plan's {c.num_microbatches} microbatches"
         )
-    example = first_rows(batch_args, rows, rows // c.num_microbatches)
-    pipe = trace(model, example, split_before=c.split_before)
+    example, kwargs = first_rows((batch_args, batch_kwargs), rows, rows // c.num_microbatches)
+    pipe = trace(model, example, kwargs or None, split_before=c.split_before)
     opts = dataclasses.replace(base, recompute=dict(c.recompute) or False)
     layout = c.layout
     if layout is not None and layout.replicas > 1:

@@ -10,15 +10,23 @@ gradients take the cores the backward runs on. So, before it plans,
 tp (dp over every rank) and once per tp size it weighs (dp x tp), one
 microbatch of the example per replica, a warm-up and four timed steps
 each, and takes each rank's forward and backward task times from the
-runner's timeline and its whole step (the slowest rank's fastest).
+runner's timeline and its whole step (the slowest rank's medians: the
+fastest of a few steps is one where the ranks happened not to compete for
+the cores, and the runs they price are measured by their medians).
+
+Where the ranks share cores, `mpmd.plan` also steps its fastest pipeline
+candidate here (`step_candidate`) to learn the level of a pipeline's
+prediction on the job (`planner/pipeline_level.py`).
 
 It lives beside `build` and `refine` because it runs the runtime, which the
-planner does not import; `mpmd.plan` finds it through `set_probe`.
+planner does not import; `mpmd.plan` finds it through `set_probe` and
+`set_measure`.
 """
 
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,13 +36,17 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import init_device_mesh
 
+from .build import layout_mesh, runner_of
 from .planner import trace
+from .planner.candidates import Candidate
 from .planner.job_runs import Run, set_probe
 from .planner.layouts import Layout
+from .planner.pipeline_level import set_measure
+from .planner.weigh import batch_rows
 from .runtime import PipelineRunner, RunnerOptions
 from .schedules import OneFOneB
 
-__all__ = ["step_layout"]
+__all__ = ["step_candidate", "step_layout"]
 
 _STEPS = 4  # timed, after one warm-up step
 
@@ -50,8 +62,8 @@ def step_layout(
 ) -> Run:
     """The forward, backward and step seconds of `model` as one stage on a
     (pp 1, dp world / tp, tp) mesh of every rank, one microbatch of the
-    example per replica: the slowest rank's fastest of four steps (as
-    `calibrate` takes the collectives': the least disturbed). A collective."""
+    example per replica: the slowest rank's medians of four steps. A
+    collective."""
     world = dist.get_world_size()
     layout = Layout(pp=1, dp=world // tp, tp=tp)
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -86,14 +98,65 @@ def step_layout(
             elif task.kind == "B":
                 backward.append(task.end - task.start)
     mine = torch.tensor(
-        [min(forward), min(backward), min(steps[1:])],
+        [statistics.median(forward), statistics.median(backward), statistics.median(steps[1:])],
         dtype=torch.float64,
-        device=torch.device(device_type, torch.cuda.current_device())
-        if device_type == "cuda"
-        else None,
+        device=_device(),
     )
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
     return Run(*(float(v) for v in mine))
+
+
+def step_candidate(
+    c: Candidate,
+    replica_rows: int,
+    model: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    target: Any,
+    tp_plan: dict[str, Any] | None,
+) -> float:
+    """The seconds of candidate `c`'s step on the job, each replica a batch
+    of `replica_rows` rows (the example's rows repeated): the slowest rank's
+    median of three steps after a warm-up. A collective."""
+    rows = max(batch_rows(args, kwargs), 1)
+    copies = -(-replica_rows // rows)
+    batch, kw, tgt = pytree.tree_map(
+        lambda t: (
+            torch.cat([t] * copies)[:replica_rows]
+            if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == rows
+            else t
+        ),
+        (args, kwargs, target),
+    )
+    layout = c.layout or Layout(pp=dist.get_world_size())
+    runner = runner_of(
+        c,
+        copy.deepcopy(model),
+        batch,
+        replica_rows,
+        loss_fn or _sum_of_outputs,
+        RunnerOptions(tp_plan=tp_plan if layout.tp > 1 else None),
+        layout_mesh(layout),
+        batch_kwargs=kw,
+    )
+    steps = []
+    for _ in range(_STEPS):
+        dist.barrier()
+        start = time.perf_counter()
+        runner.step(*batch, target=tgt, **kw)
+        steps.append(time.perf_counter() - start)
+        for p in runner.parameters():
+            p.grad = None
+    mine = torch.tensor([statistics.median(steps[1:])], dtype=torch.float64, device=_device())
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return float(mine.item())
+
+
+def _device() -> torch.device | None:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
 
 
 def _sum_of_outputs(output: Any, _target: Any) -> torch.Tensor:
@@ -102,3 +165,4 @@ def _sum_of_outputs(output: Any, _target: Any) -> torch.Tensor:
 
 
 set_probe(step_layout)
+set_measure(step_candidate)

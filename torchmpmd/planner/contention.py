@@ -24,16 +24,20 @@ steps); the rates give 2.0-2.3.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["contention", "cores", "in_compute_cost"]
+from .layouts import LinkPrices
+
+__all__ = ["Slowed", "contention", "cores", "in_compute_cost"]
 
 
 def _piece() -> Callable[[], None]:
@@ -161,3 +165,19 @@ def in_compute_cost(group: dist.ProcessGroup | None = None, repeats: int = 3) ->
     extra = torch.tensor([max(0.0, (both - work - reduce) / steps)], dtype=torch.float64)
     dist.all_reduce(extra, op=dist.ReduceOp.MAX, group=group)
     return float(extra.item())
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Slowed:
+    """Links whose collectives run `factor` x slower: the backend's threads
+    share the cores the ranks compute on (`contention`)."""
+
+    links: LinkPrices
+    factor: float
+
+    @property
+    def send(self) -> Any:
+        return getattr(self.links, "send", None)
+
+    def time(self, kind: str, nbytes: float, *, group_size: int | None = None) -> float:
+        return self.factor * self.links.time(kind, nbytes, group_size=group_size)

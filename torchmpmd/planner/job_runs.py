@@ -9,8 +9,8 @@ with each tp size weighed, one microbatch of the example per replica.
 - **Data parallelism** (`dp_per_byte`). On the job the gradient averaging
   takes more than the links price: on CPU, Gloo's threads take the cores
   the backward runs on, and the last bucket waits for the slowest rank.
-  What the run without tp exceeds its prediction by (its compute scaled as
-  its forward measured, the all-reduce as the links price it) becomes a
+  What the run without tp exceeds its prediction by (its compute as the
+  profile prices it, the all-reduce as the links do) becomes a
   compute cost per gradient byte averaged, which `charged` adds to a
   replicated layout's backward calls.
 - **Tensor parallelism** (`per_call_costs`). What a tp run's forward and
@@ -40,7 +40,7 @@ __all__ = ["Run", "charged", "dp_per_byte", "per_call_costs", "runs", "set_probe
 
 
 class Run(NamedTuple):
-    """One layout's step measured on the job: the slowest rank's fastest."""
+    """One layout's step measured on the job: the slowest rank's medians."""
 
     forward: float  # seconds of the stage's F task
     backward: float  # of its B task
@@ -114,18 +114,20 @@ def dp_per_byte(
     grads = float(sum(prof.parameter_bytes or ()))
     if grads <= 0:
         return 0.0
-    forward, backward = sum(prof.forward), sum(prof.backward)
-    scale = base.forward / forward if forward > 0 else 1.0
+    # The excess is over the compute the prediction charges (the profile,
+    # scaled by the measured contention): what the prediction of this very
+    # run misses, so that it predicts the run it was measured from.
+    compute = sum(prof.forward) + sum(prof.backward)
     reduce = links.time("all_reduce", grads, group_size=num_ranks) if links is not None else 0.0
-    excess = base.step - (forward + backward) * scale - reduce
+    excess = base.step - compute - reduce
     per_byte = max(excess, 0.0) / grads / _ring(num_ranks)
     notes.append(
         f"dp {num_ranks} measured on the job: a step of one microbatch took "
-        f"{base.step * 1e3:.1f} ms against {(forward + backward) * scale * 1e3:.1f} ms of "
-        f"compute (scaled as its forward measured) and {reduce * 1e3:.1f} ms for averaging "
-        f"{grads / 2**20:.1f} MiB of gradients on the links; the excess, "
-        f"{max(excess, 0.0) * 1e3:.1f} ms, is charged to the backward of every replicated "
-        "layout by the gradient bytes it averages"
+        f"{base.step * 1e3:.1f} ms (its forward {base.forward * 1e3:.1f} ms) against "
+        f"{compute * 1e3:.1f} ms of compute as profiled (forward {sum(prof.forward) * 1e3:.1f} "
+        f"ms) and {reduce * 1e3:.1f} ms for averaging {grads / 2**20:.1f} MiB of gradients on "
+        f"the links; the excess, {max(excess, 0.0) * 1e3:.1f} ms, is charged to the backward of "
+        "every replicated layout by the gradient bytes it averages"
     )
     return per_byte
 

@@ -26,13 +26,13 @@ global batch (`batch_size` rows):
   or in full: `Plan.recompute`, for `RunnerOptions(recompute=...)`.
 
 The fastest candidate is the plan (the simplest within `tolerance`); the
-others are kept, ranked, with why they lost. Without `batch_size` there is
-no global batch to divide over replicas: the pipeline over `num_ranks`
-ranks alone is weighed, per microbatch, as before. Without links (no
-process group to calibrate, none given) layouts with dp or tp are not
-weighed, and `Plan.notes` says so. Not searched: expert parallelism's ep
-(a layout the runner runs, not yet priced), a recompute set per rank
-beyond the two above, or a mix of modes.
+others are kept, ranked, with why they lost. Where the ranks share cores,
+the fastest pipeline is stepped on the job and every pipeline predicted
+at the level it measured (`pipeline_level`). Without `batch_size` the
+pipeline over `num_ranks` ranks alone is weighed, per microbatch. Without
+links (no process group to calibrate, none given) layouts with dp, tp or
+ep are not weighed, and `Plan.notes` says so. Not searched: a recompute
+set per rank beyond the two above, or a mix of modes.
 """
 
 from __future__ import annotations
@@ -56,11 +56,12 @@ from .candidates import (
     simplicity,
     why_not,
 )
-from .contention import contention, cores, in_compute_cost
+from .contention import Slowed, contention, cores, in_compute_cost
 from .expert_costs import ExpertShares, over_ep
 from .expert_costs import probe as probe_experts
 from .job_runs import charged, dp_per_byte, per_call_costs, runs
 from .layouts import Layout, LinkPrices, StageCharges, layouts_of
+from .pipeline_level import on_the_job
 from .profiler import LossFn, profile
 from .results import Balance
 from .rows import RowCosts, first_rows
@@ -168,7 +169,7 @@ def plan(
                 "them (whose threads take the same cores) are scaled by that"
             )
             if links is not None:
-                links = _Slowed(links, slowdown)
+                links = Slowed(links, slowdown)
             found = cores()
             if num_ranks * found[1] > found[0]:
                 shared = found
@@ -240,23 +241,10 @@ def plan(
             found += searching.layout(layout, costs, shares)
         return _chosen(found, searching, num_ranks, tolerance, notes, start)
 
-    return on_rank_zero(run)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Slowed:
-    """Links whose collectives run `factor` x slower: the backend's threads
-    share the cores the ranks compute on (`contention`)."""
-
-    links: LinkPrices
-    factor: float
-
-    @property
-    def send(self) -> Any:
-        return getattr(self.links, "send", None)
-
-    def time(self, kind: str, nbytes: float, *, group_size: int | None = None) -> float:
-        return self.factor * self.links.time(kind, nbytes, group_size=group_size)
+    if shared is None:
+        return on_rank_zero(run)
+    example, loss = (example_args, example_kwargs), (loss_fn, example_target)
+    return on_the_job(on_rank_zero(run), model, example, loss, tp_plan, tolerance)
 
 
 class _Shares(NamedTuple):

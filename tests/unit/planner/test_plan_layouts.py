@@ -324,28 +324,88 @@ def test_tp_measured_on_the_job_is_charged_per_call_to_the_planned_modules():
 
 
 def test_data_parallelism_measured_on_the_job_is_charged_to_the_backward_by_the_bytes_averaged():
-    """What the step without tp exceeds its compute (scaled as its forward
-    measured) and the links' price for its all-reduce by is charged per
-    gradient byte averaged to each backward call, a step's worth over its
-    microbatches, scaled to the group's ring traffic."""
+    """What the step without tp exceeds its compute (as the prediction
+    charges it: the profile's, whatever its forward measured on the job)
+    and the links' price for its all-reduce by is charged per gradient byte
+    averaged to each backward call, a step's worth over its microbatches,
+    scaled to the group's ring traffic: the prediction of the measured run
+    is that run's step."""
     from torchmpmd.planner.job_runs import Run, charged, dp_per_byte
 
     prof = dataclasses.replace(
         Profile.chain(["a", "b"], [0.010, 0.010]), parameter_bytes=(2**20, 3 * 2**20)
     )
     costs = RowCosts(prof, 8)
-    # Compute 1.1x the profile's (0.066 s); 14 ms more than that, no links.
+    # The profile's compute is 0.060 s (its forward measured 1.1x on the
+    # job, which does not change the charge); 20 ms more than that, no links.
     notes: list[str] = []
     per_byte = dp_per_byte(Run(0.022, 0.044, 0.080), costs, None, 2, notes)
-    assert per_byte * 4 * 2**20 == pytest.approx(0.014)
+    assert per_byte * 4 * 2**20 == pytest.approx(0.020)
     assert notes and notes[0].startswith("dp 2 measured on the job"), notes
     two = charged(prof, per_byte, 2, 2)
     assert two.forward == prof.forward
     added = [b - p for b, p in zip(two.backward, prof.backward, strict=True)]
-    assert added == pytest.approx([0.00175, 0.00525])
+    assert added == pytest.approx([0.0025, 0.0075])
     # Four replicas move 1.5x the bytes of two per byte averaged.
     four = charged(prof, per_byte, 4, 1)
-    assert sum(four.backward) - sum(prof.backward) == pytest.approx(1.5 * 0.014)
+    assert sum(four.backward) - sum(prof.backward) == pytest.approx(1.5 * 0.020)
     assert charged(prof, per_byte, 1, 1) is prof  # nothing averaged
     # A step faster than its prediction charges nothing.
-    assert dp_per_byte(Run(0.022, 0.044, 0.050), costs, None, 2, []) == 0.0
+    assert dp_per_byte(Run(0.022, 0.044, 0.055), costs, None, 2, []) == 0.0
+
+
+def test_a_pipeline_measured_on_the_job_levels_every_pipeline_and_the_plan_is_chosen_again():
+    """Where the ranks share cores, the fastest pipeline candidate stepped on
+    the job sets the level of every candidate with a pipeline (pp > 1);
+    layouts without one keep their predictions, and the plan is chosen
+    again: here the pipeline predicted 0.9x DDP measured 1.5x its
+    prediction, so DDP is the plan, and the pipeline is ranked behind it
+    with its measured step."""
+    from torchmpmd.planner.pipeline_level import leveled, to_measure
+
+    def candidate(layout: mpmd.Layout, m: int, step: float) -> mpmd.planner.Candidate:
+        return mpmd.planner.Candidate(
+            name=f"OneFOneB({m})",
+            schedule=mpmd.schedules.OneFOneB(m),
+            num_stages=layout.pp,
+            num_microbatches=m,
+            split_before=["1"] * (layout.pp - 1),
+            predicted_step_time=step,
+            predicted_peak_bytes=[1],
+            layout=layout,
+        )
+
+    pipe, mixed = candidate(mpmd.Layout(pp=4), 8, 0.9), candidate(mpmd.Layout(pp=2, dp=2), 4, 0.95)
+    ddp, fsdp = (
+        candidate(mpmd.Layout(dp=4), 1, 1.0),
+        candidate(mpmd.Layout(dp=4, data_parallel="fsdp"), 1, 1.2),
+    )
+    plan = mpmd.Plan(
+        schedule=pipe.schedule,
+        split_before=pipe.split_before,
+        num_microbatches=8,
+        num_ranks=4,
+        predicted_step_time=0.9,
+        predicted_peak_bytes=[1],
+        layout=pipe.layout,
+        batch_size=64,
+        alternatives=(mixed, ddp, fsdp),
+    )
+    assert to_measure(plan) == plan.as_candidate()
+    out = leveled(plan, plan.as_candidate(), 1.35, 0.03)
+    assert out.mesh_layout == mpmd.Layout(dp=4) and out.predicted_step_time == 1.0
+    assert out.balance is None  # the simulation's balance was the pipeline's
+    ranked = {str(c.layout): c for c in out.alternatives}
+    assert ranked["pp 4"].predicted_step_time == pytest.approx(1.35)
+    assert ranked["pp 4"].measured_step_time == 1.35 and "1.350x slower" in ranked["pp 4"].rejected
+    assert ranked["pp 2 x dp 2 (replicate)"].predicted_step_time == pytest.approx(0.95 * 1.5)
+    assert ranked["dp 4 (fsdp)"].predicted_step_time == 1.2
+    assert "predicted 1.50x its simulation" in out.notes[-1], out.notes
+    assert "the simulation alone chose" in out.notes[-1] and "on pp 4" in out.notes[-1]
+    # Measured at its prediction, nothing changes but the note.
+    same = leveled(plan, plan.as_candidate(), 0.9, 0.03)
+    assert same.mesh_layout == mpmd.Layout(pp=4) and same.predicted_step_time == 0.9
+    assert same.measured_step_time == 0.9 and same.balance is plan.balance
+    assert [c.predicted_step_time for c in same.alternatives] == [0.95, 1.0, 1.2]
+    # Only pipelines (or no pipeline) ran: the level cannot change the choice.
+    assert to_measure(dataclasses.replace(plan, alternatives=(mixed,))) is None

@@ -1,0 +1,136 @@
+"""The level of a pipeline's prediction, measured on the job, for
+`mpmd.plan` where its ranks share cores.
+
+The simulator charges a rank that shares its cores with others by how many
+compute beside it (`Costs.shared_cores`), and the profile's times by the
+contention measured when every rank computes. What it does not see is the
+kernel's scheduler: a rank woken by a receive waits for a core held by
+another, and the rank on the critical path gets no more than its fair share
+while the others fill their bubbles. On 4 ranks sharing 2 cores,
+pipelines measured 6-32% over their prediction (`benchmarks/
+mpmd_vs_spmd.py --nproc 4`) while layouts without a pipeline, priced from
+a run on the job (`job_runs`), came within a few percent: the plan chose a
+pipeline 1.20x slower than DDP. So where the ranks share cores and both
+kinds of layout ran, the fastest pipeline candidate is stepped on the job
+(`set_measure`: `job_probe.step_candidate`) and every candidate with a
+pipeline is predicted at the level it measured; the plan is then chosen
+again as `mpmd.plan` chooses (the fastest, the simplest within the
+tolerance).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..graph.inputs import example_inputs
+from .candidates import Candidate, Plan, per_batch, simplicity, why_not
+from .layouts import Layout
+
+__all__ = ["leveled", "on_the_job", "set_measure", "to_measure"]
+
+# fn(candidate, replica_rows, model, args, kwargs, loss_fn, target, tp_plan):
+# the candidate's step in seconds measured on the job, the same on every
+# rank; a collective (every rank calls it with the same candidate).
+_measure: list[Callable[..., float]] = []
+
+
+def set_measure(fn: Callable[..., float]) -> None:
+    """How a candidate is stepped on the job (the runtime's runner)."""
+    _measure[:] = [fn]
+
+
+def on_the_job(
+    plan: Plan,
+    model: torch.nn.Module,
+    example: tuple[Any, dict[str, Any] | None],
+    loss: tuple[Any, Any],
+    tp_plan: dict[str, Any] | None,
+    tolerance: float,
+) -> Plan:
+    """`plan` leveled by its fastest pipeline candidate stepped on the job
+    (as it was without a measure registered, a model with meta parameters,
+    or no choice between pipelines and layouts without one). A collective:
+    every rank calls it with rank 0's plan."""
+    c = to_measure(plan)
+    if c is None or not _measure or plan.batch_size is None:
+        return plan
+    if any(p.is_meta for p in model.parameters()):
+        return plan
+    start = time.perf_counter()
+    args, kwargs = example_inputs("mpmd.plan", *example)
+    replica = plan.batch_size // (c.layout or Layout(pp=plan.num_ranks)).replicas
+    seconds = _measure[0](c, replica, model, args, kwargs, loss[0], loss[1], tp_plan)
+    out = leveled(plan, c, seconds, tolerance)
+    spent = plan.seconds_planning + time.perf_counter() - start
+    return dataclasses.replace(out, seconds_planning=spent)
+
+
+def _pipelined(c: Candidate, num_ranks: int) -> bool:
+    return (c.layout or Layout(pp=num_ranks)).pp > 1
+
+
+def to_measure(plan: Plan) -> Candidate | None:
+    """The fastest predicted candidate with a pipeline, where one without
+    ran too (else the level cannot change the choice: None)."""
+    ran = [c for c in (plan.as_candidate(), *plan.alternatives) if c.schedule is not None]
+    pipes = [c for c in ran if _pipelined(c, plan.num_ranks)]
+    if not pipes or len(pipes) == len(ran):
+        return None
+    return min(pipes, key=lambda c: per_batch(c, plan.batch_size))
+
+
+def leveled(plan: Plan, measured: Candidate, seconds: float, tolerance: float) -> Plan:
+    """`plan` with every pipeline candidate's prediction scaled by what
+    `measured` (one of them) measured over its prediction, and chosen
+    again. Deterministic: every rank, given the same plan and seconds,
+    returns the same plan."""
+    ratio = seconds / measured.predicted_step_time if measured.predicted_step_time > 0 else 1.0
+    mine = plan.as_candidate()
+
+    def scaled(c: Candidate) -> Candidate:
+        if c.schedule is None or not _pipelined(c, plan.num_ranks):
+            return c
+        kept = seconds if _same(c, measured) else c.measured_step_time
+        return dataclasses.replace(
+            c, predicted_step_time=c.predicted_step_time * ratio, measured_step_time=kept
+        )
+
+    everyone = [scaled(c) for c in (mine, *plan.alternatives)]
+    ran = sorted(
+        (c for c in everyone if c.schedule is not None), key=lambda c: per_batch(c, plan.batch_size)
+    )
+    fastest = per_batch(ran[0], plan.batch_size)
+    close = [c for c in ran if per_batch(c, plan.batch_size) <= fastest * (1 + tolerance)]
+    best = min(close, key=simplicity)
+    others = [
+        dataclasses.replace(c, rejected=why_not(c, best, plan.batch_size, tolerance))
+        for c in ran
+        if c is not best
+    ]
+    refused = [c for c in everyone if c.schedule is None]
+    kept = plan.balance if _same(best, mine) else None
+    out = plan.taking(best, tuple(others + refused), kept)
+    text = (
+        f"pipelines' level measured on the job (its ranks share cores): {measured.name} on "
+        f"{measured.layout} stepped in {seconds * 1e3:.1f} ms against "
+        f"{measured.predicted_step_time * 1e3:.1f} ms predicted; every candidate with a "
+        f"pipeline is predicted {ratio:.2f}x its simulation"
+    )
+    if not _same(best, mine):
+        text += f" (the simulation alone chose {mine.name} on {mine.layout})"
+    return dataclasses.replace(out, notes=(*plan.notes, text))
+
+
+def _same(a: Candidate, b: Candidate) -> bool:
+    return (
+        a.name == b.name
+        and a.layout == b.layout
+        and a.num_stages == b.num_stages
+        and a.split_before == b.split_before
+        and a.recompute == b.recompute
+    )
