@@ -42,15 +42,21 @@ if [ "$fast" = 0 ]; then
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
     ctest --test-dir build/asan --output-on-failure --timeout 120
 
-  phase "the extension against torch's CUDA build (compiles and links; no GPU here)"
-  bash scripts/cuda_build.sh
-
-  phase "fuzzing the schedule validator (libFuzzer, 20 s)"
-  cmake -S . -B build/fuzz -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DTORCHMPMD_FUZZ=ON \
-    -DTORCHMPMD_BUILD_TESTS=OFF >/dev/null
-  cmake --build build/fuzz
-  mkdir -p build/fuzz/corpus
-  build/fuzz/fuzz_lower -max_total_time=20 -print_final_stats=1 build/fuzz/corpus 2>&1 | tail -3
+  # The CUDA build and the fuzzer run beside the linters and the Python
+  # tests, at the lowest priority: they take the cycles the tests leave idle
+  # (a rank waiting on a peer, a test on one core) and hardly delay them (a
+  # nice 19 process gets about 1.5% of a contended core). Their output and
+  # status come at the end.
+  phase "in the background at nice 19: the CUDA build, then the fuzzer"
+  mkdir -p build
+  # Its own process group (setsid), so that a failure below stops all of it.
+  setsid -w nice -n 19 bash -c 'set -e
+    echo "== the extension against torch'"'"'s CUDA build (compiles and links; no GPU here)"
+    bash scripts/cuda_build.sh
+    echo "== fuzzing the schedule validator (libFuzzer, 20 s)"
+    bash scripts/fuzz.sh' >build/background.log 2>&1 &
+  background=$!
+  trap 'kill -- -"$background" 2>/dev/null || true' EXIT
 elif [ -f build/cpp/CTestTestfile.cmake ]; then
   phase "C++ core (the existing build/cpp, rebuilt if its sources changed)"
   cmake --build build/cpp
@@ -72,5 +78,14 @@ if [ "$fast" = 1 ]; then
 else
   # The 25 slowest at the end of every full run, so that growth shows.
   python -m pytest tests --durations=25 "$@"
+  phase "waiting for the background jobs (the CUDA build, the fuzzer)"
+  status=0
+  wait "$background" || status=$?
+  trap - EXIT
+  cat build/background.log
+  if [ "$status" != 0 ]; then
+    echo "== the CUDA build or the fuzzer failed (exit $status; above)" >&2
+    exit "$status"
+  fi
 fi
 phase "done"
