@@ -30,46 +30,21 @@ else
   . .venv/bin/activate
 fi
 
-if [ "$fast" = 0 ]; then
-  phase "C++ core (CMake + GoogleTest, no torch)"
-  cmake -S . -B build/cpp -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-  cmake --build build/cpp
-  ctest --test-dir build/cpp --output-on-failure --timeout 60
-
-  phase "C++ core again under AddressSanitizer and UndefinedBehaviorSanitizer"
-  cmake -S . -B build/asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DTORCHMPMD_SANITIZE=ON >/dev/null
-  cmake --build build/asan
-  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
-    ctest --test-dir build/asan --output-on-failure --timeout 120
-
-  # The CUDA build and the fuzzer run beside the linters and the Python
-  # tests, at the lowest priority: they take the cycles the tests leave idle
-  # (a rank waiting on a peer, a test on one core) and hardly delay them (a
-  # nice 19 process gets about 1.5% of a contended core). Their output and
-  # status come at the end.
-  phase "in the background at nice 19: the CUDA build, then the fuzzer"
+if [ "$fast" = 1 ]; then
+  bash scripts/checks.sh cpp-built lint
+else
+  # The other checks (scripts/checks.sh) run beside the Python tests, at the
+  # lowest priority: they take the cycles the tests leave idle (a rank
+  # waiting on a peer, a test on one core) and hardly delay them (a nice 19
+  # process gets about 1.5% of a contended core). Lint first, the CUDA build
+  # and the fuzzer last; their output and status come after pytest.
+  phase "in the background at nice 19: lint, the C++ core and ASan, the CUDA build, the fuzzer"
   mkdir -p build
   # Its own process group (setsid), so that a failure below stops all of it.
-  setsid -w nice -n 19 bash -c 'set -e
-    echo "== the extension against torch'"'"'s CUDA build (compiles and links; no GPU here)"
-    bash scripts/cuda_build.sh
-    echo "== fuzzing the schedule validator (libFuzzer, 20 s)"
-    bash scripts/fuzz.sh' >build/background.log 2>&1 &
+  setsid -w nice -n 19 bash scripts/checks.sh lint cpp asan cuda fuzz >build/background.log 2>&1 &
   background=$!
-  trap 'kill -- -"$background" 2>/dev/null || true' EXIT
-elif [ -f build/cpp/CTestTestfile.cmake ]; then
-  phase "C++ core (the existing build/cpp, rebuilt if its sources changed)"
-  cmake --build build/cpp
-  ctest --test-dir build/cpp --output-on-failure --timeout 60
-else
-  echo "== C++ core: skipped (build/cpp not built yet; the full run builds it)"
+  trap 'kill -- -"$background" 2>/dev/null || true; cat build/background.log' EXIT
 fi
-
-phase "lint and type check"
-ruff check .
-ruff format --check .
-mypy  # strict, over torchmpmd/ and the native core's stub (pyproject.toml)
-find csrc tests/cpp \( -name '*.cpp' -o -name '*.h' \) -print0 | xargs -0 clang-format --dry-run -Werror
 
 phase "Python tests"
 # Exit code 5 (nothing collected) fails like any other failure.
@@ -78,13 +53,13 @@ if [ "$fast" = 1 ]; then
 else
   # The 25 slowest at the end of every full run, so that growth shows.
   python -m pytest tests --durations=25 "$@"
-  phase "waiting for the background jobs (the CUDA build, the fuzzer)"
+  phase "waiting for the checks in the background"
   status=0
   wait "$background" || status=$?
   trap - EXIT
   cat build/background.log
   if [ "$status" != 0 ]; then
-    echo "== the CUDA build or the fuzzer failed (exit $status; above)" >&2
+    echo "== a check in the background failed (exit $status; above)" >&2
     exit "$status"
   fi
 fi

@@ -16,7 +16,8 @@ the cores, and the runs they price are measured by their medians).
 
 Where the ranks share cores, `mpmd.plan` also steps its fastest pipeline
 candidate here (`step_candidate`) to learn the level of a pipeline's
-prediction on the job (`planner/pipeline_level.py`).
+prediction on the job (`planner/pipeline_level.py`). Every probe steps a
+copy of the model and leaves the random state as it found it.
 
 It lives beside `build` and `refine` because it runs the runtime, which the
 planner does not import; `mpmd.plan` finds it through `set_probe` and
@@ -26,10 +27,11 @@ planner does not import; `mpmd.plan` finds it through `set_probe` and
 from __future__ import annotations
 
 import copy
+import functools
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -49,6 +51,8 @@ from .schedules import OneFOneB
 __all__ = ["step_candidate", "step_layout"]
 
 _STEPS = 4  # timed, after one warm-up step
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 
 def step_layout(
@@ -164,5 +168,18 @@ def _sum_of_outputs(output: Any, _target: Any) -> torch.Tensor:
     return sum((t.sum() for t in leaves if t.is_floating_point()), torch.zeros(()))
 
 
-set_probe(step_layout)
-set_measure(step_candidate)
+def _rng_kept(fn: Callable[_P, _T]) -> Callable[_P, _T]:
+    """`fn` leaving the random state as it found it: the probes' steps draw
+    from it (a model's dropout), and planning must not move a user's seed."""
+
+    @functools.wraps(fn)
+    def kept(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+        devices = [torch.cuda.current_device()] if dist.get_backend() == "nccl" else []
+        with torch.random.fork_rng(devices=devices):
+            return fn(*args, **kwargs)
+
+    return kept
+
+
+set_probe(_rng_kept(step_layout))
+set_measure(_rng_kept(step_candidate))

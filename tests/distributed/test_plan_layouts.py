@@ -124,6 +124,7 @@ def plan_and_build(rank: int, world: int) -> dict:
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=g)
     idx, target = tokens[:, :-1], tokens[:, 1:]
+    seeded = torch.random.get_rng_state()
     found = mpmd.plan(
         reference,
         (idx[:2],),
@@ -134,6 +135,8 @@ def plan_and_build(rank: int, world: int) -> dict:
         repeats=2,
         schedules=[mpmd.schedules.OneFOneB],
     )
+    # Planning steps the model on the job; the user's random state is as it was.
+    assert torch.equal(torch.random.get_rng_state(), seeded), f"rank {rank}: the RNG moved"
     ran = [c for c in found.alternatives if c.schedule is not None]
     layouts = {str(found.mesh_layout)} | {str(c.layout) for c in ran}
     # The plan's own choice, and the best of a few other layouts it ranked.

@@ -41,8 +41,10 @@ __all__ = ["Slowed", "contention", "cores", "in_compute_cost"]
 
 
 def _piece() -> Callable[[], None]:
-    a = torch.randn(192, 192)
-    b = torch.randn(192, 192)
+    # Its own generator: planning leaves the user's random state alone.
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(192, 192, generator=g)
+    b = torch.randn(192, 192, generator=g)
 
     def run() -> None:
         x = a
@@ -139,7 +141,7 @@ def in_compute_cost(group: dist.ProcessGroup | None = None, repeats: int = 3) ->
     and the same all-reduces timed apart. A collective: every rank calls it."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return 0.0
-    a = torch.randn(128, 128)
+    a = torch.randn(128, 128, generator=torch.Generator().manual_seed(0))
     x = torch.zeros(16384)
     steps = 32
 
