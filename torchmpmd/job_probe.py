@@ -85,12 +85,7 @@ def step_layout(
     backward: list[float] = []
     steps: list[float] = []
     for step in range(_STEPS + 1):
-        dist.barrier()
-        start = time.perf_counter()
-        runner.step(*args, target=target, **kwargs)
-        steps.append(time.perf_counter() - start)
-        for p in runner.parameters():
-            p.grad = None
+        steps.append(_step(runner, args, target, kwargs))
         timeline = runner.timeline
         if step == 0 or timeline is None:
             continue
@@ -101,13 +96,7 @@ def step_layout(
                 forward.append(task.end - task.start)
             elif task.kind == "B":
                 backward.append(task.end - task.start)
-    mine = torch.tensor(
-        [statistics.median(forward), statistics.median(backward), statistics.median(steps[1:])],
-        dtype=torch.float64,
-        device=_device(),
-    )
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    return Run(*(float(v) for v in mine))
+    return Run(*_slowest([forward, backward, steps[1:]]))
 
 
 def step_candidate(
@@ -144,23 +133,33 @@ def step_candidate(
         layout_mesh(layout),
         batch_kwargs=kw,
     )
-    steps = []
-    for _ in range(_STEPS):
-        dist.barrier()
-        start = time.perf_counter()
-        runner.step(*batch, target=tgt, **kw)
-        steps.append(time.perf_counter() - start)
-        for p in runner.parameters():
-            p.grad = None
-    mine = torch.tensor([statistics.median(steps[1:])], dtype=torch.float64, device=_device())
+    steps = [_step(runner, batch, tgt, kw) for _ in range(_STEPS)]
+    (seconds,) = _slowest([steps[1:]])
+    return seconds
+
+
+def _step(runner: PipelineRunner, args: Any, target: Any, kwargs: dict[str, Any]) -> float:
+    """One step's seconds, the ranks started together; its gradients dropped."""
+    dist.barrier()
+    start = time.perf_counter()
+    runner.step(*args, target=target, **kwargs)
+    seconds = time.perf_counter() - start
+    for p in runner.parameters():
+        p.grad = None
+    return seconds
+
+
+def _slowest(samples: list[list[float]]) -> list[float]:
+    """Each list's median on this rank, the largest over the ranks (the
+    same on every rank). A collective."""
+    device = torch.device("cuda", torch.cuda.current_device()) if _nccl() else None
+    mine = torch.tensor([statistics.median(s) for s in samples], dtype=torch.float64, device=device)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    return float(mine.item())
+    return [float(v) for v in mine]
 
 
-def _device() -> torch.device | None:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return None
+def _nccl() -> bool:
+    return dist.get_backend() == "nccl"
 
 
 def _sum_of_outputs(output: Any, _target: Any) -> torch.Tensor:
@@ -174,7 +173,7 @@ def _rng_kept(fn: Callable[_P, _T]) -> Callable[_P, _T]:
 
     @functools.wraps(fn)
     def kept(*args: _P.args, **kwargs: _P.kwargs) -> _T:
-        devices = [torch.cuda.current_device()] if dist.get_backend() == "nccl" else []
+        devices = [torch.cuda.current_device()] if _nccl() else []
         with torch.random.fork_rng(devices=devices):
             return fn(*args, **kwargs)
 

@@ -219,6 +219,24 @@ def per_batch(c: Candidate, batch_size: int | None) -> float:
     return c.predicted_step_time / c.num_microbatches
 
 
+def choose(
+    ran: list[Candidate], batch_size: int | None, tolerance: float
+) -> tuple[Candidate, list[Candidate]]:
+    """The plan among candidates that ran (the simplest within `tolerance`
+    of the fastest: the simulator cannot tell them apart) and the others,
+    fastest first, each with why it lost."""
+    ranked = sorted(ran, key=lambda c: per_batch(c, batch_size))
+    fastest = per_batch(ranked[0], batch_size)
+    close = [c for c in ranked if per_batch(c, batch_size) <= fastest * (1 + tolerance)]
+    best = min(close, key=simplicity)
+    others = [
+        dataclasses.replace(c, rejected=why_not(c, best, batch_size, tolerance))
+        for c in ranked
+        if c is not best
+    ]
+    return best, others
+
+
 def why_not(c: Candidate, best: Candidate, batch_size: int | None, tolerance: float) -> str:
     ratio = per_batch(c, batch_size) / max(per_batch(best, batch_size), 1e-30)
     if ratio > 1 + tolerance:

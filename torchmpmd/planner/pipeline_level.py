@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ..graph.inputs import example_inputs
-from .candidates import Candidate, Plan, per_batch, simplicity, why_not
+from .candidates import Candidate, Plan, choose, per_batch
 from .layouts import Layout
 
 __all__ = ["leveled", "on_the_job", "set_measure", "to_measure"]
@@ -101,17 +101,8 @@ def leveled(plan: Plan, measured: Candidate, seconds: float, tolerance: float) -
         )
 
     everyone = [scaled(c) for c in (mine, *plan.alternatives)]
-    ran = sorted(
-        (c for c in everyone if c.schedule is not None), key=lambda c: per_batch(c, plan.batch_size)
-    )
-    fastest = per_batch(ran[0], plan.batch_size)
-    close = [c for c in ran if per_batch(c, plan.batch_size) <= fastest * (1 + tolerance)]
-    best = min(close, key=simplicity)
-    others = [
-        dataclasses.replace(c, rejected=why_not(c, best, plan.batch_size, tolerance))
-        for c in ran
-        if c is not best
-    ]
+    ran = [c for c in everyone if c.schedule is not None]
+    best, others = choose(ran, plan.batch_size, tolerance)
     refused = [c for c in everyone if c.schedule is None]
     kept = plan.balance if _same(best, mine) else None
     out = plan.taking(best, tuple(others + refused), kept)

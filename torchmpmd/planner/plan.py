@@ -51,10 +51,9 @@ from .balancer import on_rank_zero
 from .candidates import (
     Candidate,
     Plan,
+    choose,
     nothing_fits,
     per_batch,
-    simplicity,
-    why_not,
 )
 from .contention import Slowed, contention, cores, in_compute_cost
 from .expert_costs import ExpertShares, over_ep
@@ -518,17 +517,9 @@ def _chosen(
     if not ran:
         what = "device_memory" if search.counted else "memory_limit"
         raise ValueError(nothing_fits([c for c, _ in found], search.limits[0], what))
-    fastest = per_batch(ran[0][0], batch_size)
-    # Within `tolerance` of the fastest, the simulator cannot tell them
-    # apart: the simplest wins.
-    close = [c for c in ran if per_batch(c[0], batch_size) <= fastest * (1 + tolerance)]
-    best, balance = min(close, key=lambda c: simplicity(c[0]))
+    best, slower = choose([c for c, _ in ran], batch_size, tolerance)
+    balance = next(b for c, b in ran if c is best)
     assert balance is not None and best.schedule is not None
-    slower = [
-        dataclasses.replace(c, rejected=why_not(c, best, batch_size, tolerance))
-        for c, _ in ran
-        if c is not best
-    ]
     pipeline_only = all(c.layout is not None and c.layout == Layout(pp=num_ranks) for c, _ in found)
     notes.extend(_close_calls(best, [c for c, _ in ran], batch_size, tolerance))
     return Plan(
