@@ -9,7 +9,8 @@
 # built, and the Python tests not marked slow or multiprocess (pytest -m "not
 # slow and not multiprocess"); it skips the sanitizer and CUDA builds and the
 # fuzzer, and uses the active virtual environment if there is one (else it
-# sets up .venv as the full run does). Extra arguments go to pytest.
+# sets up .venv as the full run does). Extra arguments go to both pytest
+# passes (below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -48,13 +49,32 @@ else
   trap 'kill -- -"$background" 2>/dev/null || true; cat build/background.log' EXIT
 fi
 
-phase "Python tests"
-# Exit code 5 (nothing collected) fails like any other failure.
+# Two passes (marker expressions: $1 the first's, $2 the second's). The
+# tests of one process run on two pytest-xdist workers (a
+# file per worker at a time, so a module's fixtures are made once): most of
+# their time is one Python thread tracing or stepping, so two share the two
+# cores (299 s against 514 s one after another). The multiprocess tests
+# (their ranks already take every core; a dozen bound a failure's time) and
+# those marked `alone` (they time the machine and compare) run after, one at
+# a time. Exit code 5 (nothing collected) fails unless the other pass ran.
+pytest_passes() {
+  local first=0 second=0
+  phase "Python tests of one process, on two workers: -m \"$1\""
+  python -m pytest tests -n 2 --dist loadfile -m "$1" "${@:3}" || first=$?
+  phase "Python tests one at a time: -m \"$2\""
+  python -m pytest tests -m "$2" "${@:3}" || second=$?
+  if [ "$first" = 5 ] && [ "$second" = 0 ]; then first=0; fi
+  if [ "$second" = 5 ] && [ "$first" = 0 ]; then second=0; fi
+  [ "$first" = 0 ] || return "$first"
+  return "$second"
+}
 if [ "$fast" = 1 ]; then
-  python -m pytest tests -m "not slow and not multiprocess" "$@"
+  pytest_passes "not slow and not multiprocess and not alone" \
+    "alone and not slow and not multiprocess" "$@"
 else
-  # The 25 slowest at the end of every full run, so that growth shows.
-  python -m pytest tests --durations=25 "$@"
+  # The 25 slowest of each pass at the end of every full run, so that
+  # growth shows.
+  pytest_passes "not multiprocess and not alone" "multiprocess or alone" --durations=25 "$@"
   phase "waiting for the checks in the background"
   status=0
   wait "$background" || status=$?

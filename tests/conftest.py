@@ -3,10 +3,12 @@
 Under CI (CI=true) property tests replay a fixed sequence of examples, so a
 red build is reproducible; locally they explore.
 
-Markers (pyproject.toml): `slow` (over about 2 s on 2 cores) and
+Markers (pyproject.toml): `slow` (over about 2 s on 2 cores),
 `multiprocess` (spawns processes: everything under tests/distributed, set
-here, and the unit tests marked so). `bash scripts/test.sh --fast` runs
-`-m "not slow and not multiprocess"`.
+here, and the unit tests marked so) and `alone` (times the machine and
+compares: nothing may run beside it). `bash scripts/test.sh` runs the tests
+of one process but `alone` on two pytest-xdist workers, then the rest one at
+a time; `--fast` leaves out `slow` and `multiprocess`.
 
 Fixtures, over the small model zoo of tests/models.py:
 

@@ -131,6 +131,8 @@ def test_a_call_after_seeding_starts_every_rank_from_the_seed():
     torch.testing.assert_close(unseeded, ref_losses[1], rtol=1e-12, atol=1e-12)
 
 
+# Bounds a wait by 3 s of wall time: nothing beside it (scripts/test.sh).
+@pytest.mark.alone
 def test_a_rank_stuck_while_drawing_holds_the_others_up_to_the_timeout_only():
     # Ranks take turns at drawing; one that never finishes its turn (a hung
     # stage or loss) must fail the others after the timeout, naming it, as
