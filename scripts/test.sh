@@ -35,19 +35,25 @@ if [ "$fast" = 1 ]; then
   bash scripts/checks.sh cpp-built lint
 else
   bash scripts/checks.sh cpp asan lint
-  # The CUDA build and the fuzzer run beside the Python tests at the lowest
-  # priority, in the cycles the tests leave idle (a rank waiting on a peer,
-  # a test on one core); their output and status come after pytest. Not
-  # lint and the C++ builds too: in one run with them beside it as well,
-  # pytest took 1532 s (its 4-rank tests running meanwhile 1.3-2.2x as
-  # long), against 1289 s with these two and 1318 s with nothing beside it.
+fi
+
+# The full run's CUDA build and fuzzer run beside the second pass of
+# Python tests (below) at the lowest priority, in the cycles its ranks leave
+# idle (a rank waiting on a peer); their output and status come after
+# pytest. Not lint and the C++ builds too: with them beside it as well,
+# pytest took 1532 s (its 4-rank tests 1.3-2.2x as long), against 1289 s
+# with these two and 1318 s with nothing beside it. Not beside the first
+# pass, whose two workers keep both cores busy.
+background=""
+start_background() {
+  [ "$fast" = 1 ] && return 0
   phase "in the background at nice 19: the CUDA build, then the fuzzer"
   mkdir -p build
   # Its own process group (setsid), so that a failure below stops all of it.
   setsid -w nice -n 19 bash scripts/checks.sh cuda fuzz >build/background.log 2>&1 &
   background=$!
   trap 'kill -- -"$background" 2>/dev/null || true; cat build/background.log' EXIT
-fi
+}
 
 # Two passes (marker expressions: $1 the first's, $2 the second's). The
 # tests of one process run on two pytest-xdist workers (a
@@ -61,6 +67,7 @@ pytest_passes() {
   local first=0 second=0
   phase "Python tests of one process, on two workers: -m \"$1\""
   python -m pytest tests -n 2 --dist loadfile -m "$1" "${@:3}" || first=$?
+  start_background
   phase "Python tests one at a time: -m \"$2\""
   python -m pytest tests -m "$2" "${@:3}" || second=$?
   if [ "$first" = 5 ] && [ "$second" = 0 ]; then first=0; fi

@@ -41,7 +41,9 @@ struct Costs {
   // its time. With overlap_sides, a fused task of two sides (lanes(): a
   // forward beside a backward) runs them at once, as the runtime does: it
   // takes its parts' compute or its longer side, whichever is more, so
-  // that one side's communication hides under the other's compute.
+  // that one side's communication hides under the other's compute. Not
+  // where the ranks share cores (shares_cores()): simulate() then charges
+  // the sides one after the other, the cores being busy either way.
   std::vector<std::vector<double>> comm;
   bool overlap_sides = false;
   // Ranks sharing CPU cores (CPU ranks on one host, more ranks than cores):

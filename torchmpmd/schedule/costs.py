@@ -104,7 +104,10 @@ class Costs:
     `RunnerOptions.overlap` runs them), a fused task of a forward beside a
     backward (DualPipeV's F&B) runs its two sides at once: it takes the
     longer of its parts' compute (exchanges left out) and each side's time,
-    so that one side's exchanges hide under the other's compute.
+    so that one side's exchanges hide under the other's compute; where the
+    ranks share cores (below) its sides are charged one after the other
+    instead: every core is busy while as many ranks compute, so what a rank
+    waits on an exchange is another's compute and hiding it gains nothing.
 
     Ranks sharing CPU cores (more CPU ranks than cores on a host):
     `shared_cores` is the cores the ranks compute on (0: each rank has a

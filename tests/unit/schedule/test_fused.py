@@ -348,6 +348,25 @@ def test_simulator_runs_the_two_sides_of_a_fused_task_at_once():
     assert min(durations(plain)) == 3.0
 
 
+def test_ranks_sharing_cores_run_the_two_sides_one_after_the_other():
+    """Where the ranks share cores (2 ranks on 1 here) every core is busy
+    while as many compute, so a rank's wait on an exchange is another's
+    compute: the simulator charges a fused task's sides one after the other,
+    as `overlap_sides=False` does under the same sharing. With a core per
+    rank they run at once again."""
+    program = mpmd.compile_schedule(mpmd.schedules.DualPipeV(4), 4, 2)
+    costs = dict(forward=1.0, backward=2.0, exchange=0.5, exchange_backward=0.8)
+    for cores in (1.0, 2.0):
+        shared = program.simulate(mpmd.Costs(**costs, shared_cores=cores))
+        apart = program.simulate(mpmd.Costs(**costs, shared_cores=cores, overlap_sides=False))
+        if cores == 1.0:
+            assert shared.step_time == pytest.approx(apart.step_time, abs=1e-9)
+        else:  # nothing shared: as on a device per rank, the sides at once
+            overlapped = program.simulate(mpmd.Costs(**costs))
+            assert shared.step_time == pytest.approx(overlapped.step_time, abs=1e-9)
+            assert shared.step_time < apart.step_time - 0.5
+
+
 def test_combined_1f1b_pairs_each_steady_forward_with_an_earlier_backward():
     rows = mpmd.schedules.Combined1F1B(6).tasks(3, 3, 6)
     assert [str(t) for t in rows[2]] == [
