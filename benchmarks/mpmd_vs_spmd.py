@@ -20,9 +20,11 @@ each (attention and MLP colwise / rowwise) given to torch's
 
 Per model every rank plans (`mpmd.plan` with `batch_size`: every layout of
 the ranks, pp = 1 included; the links calibrated on the job's group, rank 0
-profiles). Measured, one step each per round, each round starting one
-configuration later, medians over `--rounds` rounds after `--warmup` (a
-step's time is the slowest rank's):
+profiles). Measured in turns, each round starting one configuration later,
+medians over `--rounds` rounds after `--warmup`; a turn is `--untimed`
+steps (0) and one timed step (with 1, the timed step runs as in a training
+loop, not right after another model's); a step's time is the slowest
+rank's:
 
 - torch: DDP (each rank its share of the global batch), FSDP2
   (`fully_shard` per block and the root, on a 1-D mesh), TP
@@ -432,12 +434,20 @@ def torchmpmd_configs(
     return list(by_key.values()), failed
 
 
-def measure(configs: list[Config], rounds: int, warmup: int) -> None:
-    """Steps the configurations in turns, one step each per round, each round
-    starting one later; a step's time is the slowest rank's."""
+def measure(configs: list[Config], rounds: int, warmup: int, untimed: int = 0) -> None:
+    """Steps the configurations in turns, each round starting one later; in
+    each turn `untimed` steps, then one timed: a training loop steps one
+    model after another, while a turn's first step finds another model's
+    weights and activations in the caches. A step's time is the slowest
+    rank's."""
     n = len(configs)
     for r in range(warmup + rounds):
         for c in configs[r % n :] + configs[: r % n]:
+            for _ in range(untimed if r >= warmup else 0):
+                dist.barrier()
+                c.step()
+                for p in c.params():
+                    p.grad = None
             dist.barrier()
             t0, t0_unix = time.perf_counter(), time.time()
             loss = c.step()
@@ -636,7 +646,7 @@ def run_case(case: Case, args: argparse.Namespace, rank: int, world: int) -> dic
     configs = torch_configs(reference, x, y, rank, world)
     ours, failed = torchmpmd_configs(plan, reference, x, y, rank, world)
     configs += ours
-    measure(configs, args.rounds, args.warmup)
+    measure(configs, args.rounds, args.warmup, args.untimed)
     memory = (
         memory_check(case, reference, plan, x, y, rank, world)
         if args.memory_model and case.name.startswith(args.memory_model)
@@ -800,6 +810,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--models", default="", help="comma-separated name prefixes; default: all")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument(
+        "--untimed",
+        type=int,
+        default=0,
+        help="untimed steps at the start of each configuration's turn (default 0: time its first)",
+    )
     p.add_argument(
         "--memory-model", default="pipeline", help="the model (prefix) of the memory check"
     )
