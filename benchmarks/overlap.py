@@ -134,15 +134,16 @@ def main() -> None:
         ),
         fused=None,
     )
-    # Ranks sharing cores (4 on 2 here): each program rank stands for its ep
-    # group's ranks; the simulator charges the tasks by the ranks computing
-    # beside them, and a fused task's sides one after the other.
+    # The cores the ranks compute on, each program rank standing for its ep
+    # group's ranks: where they share them (4 ranks on 2 here) the simulator
+    # charges the tasks by the ranks computing beside them, and a fused
+    # task's sides one after the other (Costs.shared_cores).
     cores, threads = contention.cores()
-    world = dist.get_world_size()
-    if world * threads > cores:
-        costs = dataclasses.replace(
-            costs, shared_cores=cores, demand_per_rank=threads * world / program.num_ranks
-        )
+    costs = dataclasses.replace(
+        costs,
+        shared_cores=cores,
+        demand_per_rank=threads * dist.get_world_size() / program.num_ranks,
+    )
     predicted = {
         UNFUSED: program.simulate(dataclasses.replace(costs, overlap_sides=False)).step_time,
         FUSED: program.simulate(costs).step_time,

@@ -271,7 +271,12 @@ class Replicas(Parallelism):
         key = tuple(id(p) for p in group)
         flat = self._flats.get(key)
         first = locals_[0]
-        if flat is None or flat.numel() != numel or flat.dtype != first.dtype:
+        # Kept while the parameters keep their dtype and device.
+        if flat is None or (flat.numel(), flat.dtype, flat.device) != (
+            numel,
+            first.dtype,
+            first.device,
+        ):
             flat = torch.empty(numel, dtype=first.dtype, device=first.device)
             self._flats[key] = flat
         offset = 0
