@@ -8,11 +8,19 @@ measured 1.5-2.4x their prediction), and Gloo's threads averaging the
 gradients take the cores the backward runs on. So, before it plans,
 `mpmd.plan` steps the model here as one stage on every rank: once without
 tp (dp over every rank) and once per tp size it weighs (dp x tp), one
-microbatch of the example per replica, a warm-up and four timed steps
+microbatch of the example per replica, a warm-up and six timed steps
 each, and takes each rank's forward and backward task times from the
-runner's timeline and its whole step (the slowest rank's medians: the
-fastest of a few steps is one where the ranks happened not to compete for
-the cores, and the runs they price are measured by their medians).
+runner's timeline and its whole step: per step the slowest rank's (the
+step ends when it does), the median over the steps (the fastest of a few
+steps is one where the ranks happened not to compete for the cores, and
+the runs they price are measured by their medians; a median per rank and
+then the slowest of those drew each rank's worst moments into one figure,
+9-27% apart from run to run on 2 ranks sharing 2 cores). In turns with
+the runner's steps it runs the model eagerly on every rank, alone (no
+averaging, no tp): the job's compute level at those moments, which the
+planner compares the runner's figures with, so that a slower moment of the
+machine (a single-threaded matmul here took 104-141 ms from one second to
+the next) is not taken for a cost of data or tensor parallelism.
 
 Where the ranks share cores, `mpmd.plan` also steps its fastest pipeline
 candidate here (`step_candidate`) to learn the level of a pipeline's
@@ -50,7 +58,7 @@ from .schedules import OneFOneB
 
 __all__ = ["step_candidate", "step_layout"]
 
-_STEPS = 4  # timed, after one warm-up step
+_STEPS = 6  # timed, after one warm-up step
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
@@ -66,8 +74,9 @@ def step_layout(
 ) -> Run:
     """The forward, backward and step seconds of `model` as one stage on a
     (pp 1, dp world / tp, tp) mesh of every rank, one microbatch of the
-    example per replica: the slowest rank's medians of four steps. A
-    collective."""
+    example per replica, and in turns with them the model's forward and
+    backward computed alone on every rank: medians over six steps of the
+    slowest rank's. A collective."""
     world = dist.get_world_size()
     layout = Layout(pp=1, dp=world // tp, tp=tp)
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -81,22 +90,26 @@ def step_layout(
         mesh=mesh,
         options=RunnerOptions(tp_plan=tp_plan if tp > 1 else None),
     )
+    alone = copy.deepcopy(model)
     forward: list[float] = []
     backward: list[float] = []
     steps: list[float] = []
+    alone_f: list[float] = []
+    alone_b: list[float] = []
     for step in range(_STEPS + 1):
+        # In turns with the runner's step: the model computed alone on every
+        # rank at the same moments, the job's compute level then.
+        f, b = _alone_step(alone, args, kwargs, loss_fn or _sum_of_outputs, target)
         steps.append(_step(runner, args, target, kwargs))
         timeline = runner.timeline
-        if step == 0 or timeline is None:
+        if step == 0:
             continue
-        for task in timeline.tasks:
-            if task.rank != runner.rank:
-                continue
-            if task.kind == "F":
-                forward.append(task.end - task.start)
-            elif task.kind == "B":
-                backward.append(task.end - task.start)
-    return Run(*_slowest([forward, backward, steps[1:]]))
+        mine = [t for t in (timeline.tasks if timeline else ()) if t.rank == runner.rank]
+        forward.append(sum(t.end - t.start for t in mine if t.kind == "F"))
+        backward.append(sum(t.end - t.start for t in mine if t.kind == "B"))
+        alone_f.append(f)
+        alone_b.append(b)
+    return Run(*_slowest([forward, backward, steps[1:], alone_f, alone_b]))
 
 
 def step_candidate(
@@ -110,8 +123,8 @@ def step_candidate(
     tp_plan: dict[str, Any] | None,
 ) -> float:
     """The seconds of candidate `c`'s step on the job, each replica a batch
-    of `replica_rows` rows (the example's rows repeated): the slowest rank's
-    median of three steps after a warm-up. A collective."""
+    of `replica_rows` rows (the example's rows repeated): the median over
+    its steps after a warm-up of the slowest rank's. A collective."""
     rows = max(batch_rows(args, kwargs), 1)
     copies = -(-replica_rows // rows)
     batch, kw, tgt = pytree.tree_map(
@@ -149,13 +162,42 @@ def _step(runner: PipelineRunner, args: Any, target: Any, kwargs: dict[str, Any]
     return seconds
 
 
+def _alone_step(
+    model: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    target: Any,
+) -> tuple[float, float]:
+    """The seconds of `model`'s forward (with the loss) and backward run
+    eagerly on this rank, the ranks started together; its gradients
+    dropped."""
+    dist.barrier()
+    start = time.perf_counter()
+    loss = loss_fn(model(*args, **kwargs), target)
+    _sync()
+    middle = time.perf_counter()
+    torch.autograd.backward(loss)
+    _sync()
+    end = time.perf_counter()
+    for p in model.parameters():
+        p.grad = None
+    return middle - start, end - middle
+
+
+def _sync() -> None:
+    if _nccl():
+        torch.cuda.synchronize()
+
+
 def _slowest(samples: list[list[float]]) -> list[float]:
-    """Each list's median on this rank, the largest over the ranks (the
-    same on every rank). A collective."""
+    """Per list (a figure per step, the same steps on every rank), the
+    median over the steps of the slowest rank's figure (the same on every
+    rank). A collective."""
     device = torch.device("cuda", torch.cuda.current_device()) if _nccl() else None
-    mine = torch.tensor([statistics.median(s) for s in samples], dtype=torch.float64, device=device)
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    return [float(v) for v in mine]
+    per_step = torch.tensor(samples, dtype=torch.float64, device=device)
+    dist.all_reduce(per_step, op=dist.ReduceOp.MAX)
+    return [statistics.median(row) for row in per_step.tolist()]
 
 
 def _nccl() -> bool:

@@ -14,10 +14,20 @@ with each tp size weighed, one microbatch of the example per replica.
   compute cost per gradient byte averaged, which `charged` adds to a
   replicated layout's backward calls.
 - **Tensor parallelism** (`per_call_costs`). What a tp run's forward and
-  backward exceed their prediction by, beyond what the run without tp's
-  exceed theirs by, goes to each unit per call by its planned modules
-  (`tensor_costs.per_call`): tp's dispatch and collective waits come per
-  call, so the charge holds at any microbatch size.
+  backward exceed their prediction by goes to each unit per call by its
+  planned modules (`tensor_costs.per_call`): tp's dispatch and collective
+  waits come per call, so the charge holds at any microbatch size.
+
+Both compare the runner's figures with the model computed alone on every
+rank in turns with them (`Run.alone_forward`, `alone_backward`), brought
+to the profile's level: on a shared machine the profile and the runs are
+seconds apart and its speed is not the same (a dp step measured 1.5x its
+profile in one plan, its forward alone 1.5x too, and all of it went to the
+averaging's price). Without those figures, the job's offset is the run
+without tp's forward's excess (its backward in proportion): not that run's
+backward, which averages every gradient over all the ranks and which, taken
+as the offset, cancelled tp's whole backward excess where the gradients
+were large (57 MiB on 2 ranks: tp 2 predicted 0.65x its step).
 """
 
 from __future__ import annotations
@@ -45,6 +55,11 @@ class Run(NamedTuple):
     forward: float  # seconds of the stage's F task
     backward: float  # of its B task
     step: float  # of the whole runner.step (gradient averaging included)
+    # The model's forward (with the loss) and backward computed alone on
+    # every rank in turns with those steps: the job's compute level at the
+    # moments they ran (0: not measured).
+    alone_forward: float = 0.0
+    alone_backward: float = 0.0
 
 
 # (model, args, kwargs, loss_fn, target, tp_plan, tp) -> its Run; a collective.
@@ -116,16 +131,31 @@ def dp_per_byte(
         return 0.0
     # The excess is over the compute the prediction charges (the profile,
     # scaled by the measured contention): what the prediction of this very
-    # run misses, so that it predicts the run it was measured from.
+    # run misses, so that it predicts the run it was measured from. Where
+    # the model was also computed alone in the same turns, the excess is
+    # the step's over that, brought to the profile's level: a moment of the
+    # machine slower or faster than the profile's is not a cost of
+    # averaging.
     compute = sum(prof.forward) + sum(prof.backward)
     reduce = links.time("all_reduce", grads, group_size=num_ranks) if links is not None else 0.0
-    excess = base.step - compute - reduce
+    alone = base.alone_forward + base.alone_backward
+    if alone > 0:
+        excess = (base.step - alone) * compute / alone - reduce
+        against = (
+            f"{alone * 1e3:.1f} ms of the model computed alone on each rank in the same turns "
+            f"({compute * 1e3:.1f} ms as profiled)"
+        )
+    else:
+        excess = base.step - compute - reduce
+        against = (
+            f"{compute * 1e3:.1f} ms of compute as profiled (forward "
+            f"{sum(prof.forward) * 1e3:.1f} ms)"
+        )
     per_byte = max(excess, 0.0) / grads / _ring(num_ranks)
     notes.append(
         f"dp {num_ranks} measured on the job: a step of one microbatch took "
-        f"{base.step * 1e3:.1f} ms (its forward {base.forward * 1e3:.1f} ms) against "
-        f"{compute * 1e3:.1f} ms of compute as profiled (forward {sum(prof.forward) * 1e3:.1f} "
-        f"ms) and {reduce * 1e3:.1f} ms for averaging {grads / 2**20:.1f} MiB of gradients on "
+        f"{base.step * 1e3:.1f} ms (its forward {base.forward * 1e3:.1f} ms) against {against} "
+        f"and {reduce * 1e3:.1f} ms for averaging {grads / 2**20:.1f} MiB of gradients on "
         f"the links; the excess, {max(excess, 0.0) * 1e3:.1f} ms, is charged to the backward of "
         "every replicated layout by the gradient bytes it averages"
     )
@@ -157,30 +187,54 @@ def per_call_costs(
     links: LinkPrices | None,
     in_compute: float,
     notes: list[str],
+    per_byte: float = 0.0,
+    num_ranks: int = 1,
 ) -> dict[int, PerCall]:
-    """Per tp size, each unit's cost per call beyond `over_tp`'s model."""
+    """Per tp size, each unit's cost per call beyond `over_tp`'s model (and,
+    where the tp run has replicas, beyond the averaging `charged` prices at
+    `per_byte` over its num_ranks / tp of them)."""
     rows = costs.rows
     prof = costs.at(rows)
     fixed = costs.at(0.0) if costs.fixed_cost_known else None
 
     def predicted(tp: int) -> tuple[float, float]:
         p = over_tp(prof, shares, tp, links, rows, fixed, in_compute)
+        p = charged(p, per_byte, num_ranks // tp, 1) if tp > 1 else p
         return sum(p.forward), sum(p.backward)
 
-    f1, b1, _ = measured[1]
+    f1, b1 = measured[1].forward, measured[1].backward
     pf1, pb1 = predicted(1)
+    # The job's offset from the profile, without the model computed alone:
+    # the forward's (no averaging in it), the backward's in proportion.
+    offset_f = f1 - pf1
+    offset_b = offset_f * pb1 / pf1 if pf1 > 0 else 0.0
     out = {}
-    for tp, (f, b, _) in sorted(measured.items()):
+    for tp, run in sorted(measured.items()):
         if tp == 1:
             continue
+        f, b = run.forward, run.backward
         pf, pb = predicted(tp)
-        extra_f, extra_b = (f - pf) - (f1 - pf1), (b - pb) - (b1 - pb1)
+        if run.alone_forward > 0 and run.alone_backward > 0:
+            # The tp run's figures at the profile's level: over the model
+            # computed alone in the same turns, as the profile priced it.
+            extra_f = f * pf1 / run.alone_forward - pf
+            extra_b = b * pb1 / run.alone_backward - pb
+            level = (
+                f"the model alone in the same turns: {run.alone_forward * 1e3:.1f} / "
+                f"{run.alone_backward * 1e3:.1f} ms against {pf1 * 1e3:.1f} / {pb1 * 1e3:.1f} "
+                "as profiled"
+            )
+        else:
+            extra_f, extra_b = (f - pf) - offset_f, (b - pb) - offset_b
+            level = (
+                f"without tp: {f1 * 1e3:.1f} / {b1 * 1e3:.1f} against {pf1 * 1e3:.1f} / "
+                f"{pb1 * 1e3:.1f}, its averaging in its backward"
+            )
         out[tp] = per_call(shares, extra_f, extra_b)
         notes.append(
             f"tp {tp} measured on the job: forward {f * 1e3:.1f} ms, backward {b * 1e3:.1f} ms "
-            f"against {pf * 1e3:.1f} and {pb * 1e3:.1f} predicted (without tp: "
-            f"{f1 * 1e3:.1f} / {b1 * 1e3:.1f} against {pf1 * 1e3:.1f} / {pb1 * 1e3:.1f}); "
-            f"the excess, {max(extra_f, 0) * 1e3:.1f} + {max(extra_b, 0) * 1e3:.1f} ms, is charged "
-            "per call to the units' planned modules"
+            f"against {pf * 1e3:.1f} and {pb * 1e3:.1f} predicted ({level}); the excess at the "
+            f"profile's level, {max(extra_f, 0) * 1e3:.1f} + {max(extra_b, 0) * 1e3:.1f} ms, is "
+            "charged per call to the units' planned modules"
         )
     return out

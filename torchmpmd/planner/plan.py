@@ -223,11 +223,19 @@ def plan(
         costs = costs.slowed(slowdown)
         searching = search_args
         if job_runs:
+            per_byte = dp_per_byte(job_runs[1], costs, search_args.links, num_ranks, notes)
             searching = dataclasses.replace(
                 search_args,
-                dp_per_byte=dp_per_byte(job_runs[1], costs, search_args.links, num_ranks, notes),
+                dp_per_byte=per_byte,
                 tp_calls=per_call_costs(
-                    job_runs, costs, shares.tensor, search_args.links, in_compute, notes
+                    job_runs,
+                    costs,
+                    shares.tensor,
+                    search_args.links,
+                    in_compute,
+                    notes,
+                    per_byte,
+                    num_ranks,
                 )
                 if shares.tensor is not None
                 else {},

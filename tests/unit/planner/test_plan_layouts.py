@@ -295,9 +295,11 @@ def test_a_close_rival_of_another_layout_is_named_in_the_notes():
 
 
 def test_tp_measured_on_the_job_is_charged_per_call_to_the_planned_modules():
-    """What a tp run exceeds its prediction by, beyond what the run without
-    tp exceeds its own by, goes to the units by their planned modules, per
-    call: at any microbatch size a call costs it once."""
+    """What a tp run exceeds its prediction by, beyond the job's offset
+    (the forward without tp's, the backward's in proportion), goes to the
+    units by their planned modules, per call: at any microbatch size a call
+    costs it once. The run without tp's backward, slowed by averaging every
+    gradient, does not cancel tp's."""
     from torchmpmd.planner.job_runs import Run, per_call_costs
     from torchmpmd.planner.tensor_costs import TensorShares, over_tp, per_call
 
@@ -312,14 +314,32 @@ def test_tp_measured_on_the_job_is_charged_per_call_to_the_planned_modules():
     )
     costs = RowCosts(Profile.chain(["emb", "a", "b"], [0.010, 0.040, 0.040]), 8)
     # Predicted without links: tp 2 halves a and b, forward 0.01 + 0.02 + 0.02.
+    # The job runs 1/18 over the profile (0.005 of the forward's 0.090,
+    # 0.010 of the backward's 0.180); without tp its backward also averages
+    # (0.030 more), tp 2 on 2 ranks has no replicas to average over.
     measured = {
-        1: Run(0.090 + 0.005, 0.180, 0.3),
-        2: Run(0.050 + 0.005 + 0.020, 0.100 + 0.040, 0.3),
+        1: Run(0.090 + 0.005, 0.180 + 0.010 + 0.030, 0.3),
+        2: Run(0.050 + 0.005 + 0.020, 0.100 + 0.010 + 0.040, 0.3),
     }
     notes: list[str] = []
-    calls = per_call_costs(measured, costs, shares, None, 0.0, notes)
+    calls = per_call_costs(measured, costs, shares, None, 0.0, notes, 0.0, 2)
     assert calls[2].forward == pytest.approx((0.0, 0.015, 0.005))
     assert calls[2].backward == pytest.approx((0.0, 0.030, 0.010))
+    # A tp run with replicas: what `charged` prices its averaging at is
+    # not charged again per call (tp 2 of 4 ranks: dp 2 over half the bytes).
+    sized = RowCosts(dataclasses.replace(costs.full, parameter_bytes=(0, 2**20, 2**20)), 8)
+    per_byte = 0.008 / 2**20  # a ring of 2 moves each byte once: 8 ms for tp 2's 1 MiB
+    four = per_call_costs(measured, sized, shares, None, 0.0, [], per_byte, 4)
+    assert sum(four[2].backward) == pytest.approx(0.040 - 0.008)
+    assert four[2].forward == pytest.approx(calls[2].forward)
+    # With the model computed alone in the tp run's turns, its figures are
+    # read at the profile's level: a machine 1.5x slower during that run
+    # (the model alone 0.135 / 0.270 s against 0.090 / 0.180 profiled)
+    # charges what tp adds, not the machine's slowness.
+    slow = Run(1.5 * 0.070, 1.5 * 0.140, 0.5, 1.5 * 0.090, 1.5 * 0.180)
+    level = per_call_costs({1: measured[1], 2: slow}, costs, shares, None, 0.0, [], 0.0, 2)
+    assert sum(level[2].forward) == pytest.approx(0.020)
+    assert sum(level[2].backward) == pytest.approx(0.040)
     assert len(notes) == 1 and notes[0].startswith("tp 2 measured on the job"), notes
     # Per call: at half the rows the compute halves, the charge does not.
     half = over_tp(costs.at(4), shares, 2, None, 4, None, 0.0, calls[2])
@@ -357,6 +377,11 @@ def test_data_parallelism_measured_on_the_job_is_charged_to_the_backward_by_the_
     assert charged(prof, per_byte, 1, 1) is prof  # nothing averaged
     # A step faster than its prediction charges nothing.
     assert dp_per_byte(Run(0.022, 0.044, 0.055), costs, None, 2, []) == 0.0
+    # With the model computed alone in the same turns (0.090 s: the machine
+    # 1.5x slower than when profiled), the step's excess over it (30 ms)
+    # counts at the profile's level (20 ms), not the machine's slowness.
+    slow = Run(0.033, 0.066, 0.120, 0.030, 0.060)
+    assert dp_per_byte(slow, costs, None, 2, []) * 4 * 2**20 == pytest.approx(0.020)
 
 
 def test_a_pipeline_measured_on_the_job_levels_every_pipeline_and_the_plan_is_chosen_again():
