@@ -8,7 +8,7 @@ measured 1.5-2.4x their prediction), and Gloo's threads averaging the
 gradients take the cores the backward runs on. So, before it plans,
 `mpmd.plan` steps the model here as one stage on every rank: once without
 tp (dp over every rank) and once per tp size it weighs (dp x tp), one
-microbatch of the example per replica, a warm-up and six timed steps
+microbatch of the example per replica, a warm-up and four timed steps
 each, and takes each rank's forward and backward task times from the
 runner's timeline and its whole step: per step the slowest rank's (the
 step ends when it does), the median over the steps (the fastest of a few
@@ -58,7 +58,7 @@ from .schedules import OneFOneB
 
 __all__ = ["step_candidate", "step_layout"]
 
-_STEPS = 6  # timed, after one warm-up step
+_STEPS = 4  # timed, after one warm-up step
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
@@ -75,7 +75,7 @@ def step_layout(
     """The forward, backward and step seconds of `model` as one stage on a
     (pp 1, dp world / tp, tp) mesh of every rank, one microbatch of the
     example per replica, and in turns with them the model's forward and
-    backward computed alone on every rank: medians over six steps of the
+    backward computed alone on every rank: medians over four steps of the
     slowest rank's. A collective."""
     world = dist.get_world_size()
     layout = Layout(pp=1, dp=world // tp, tp=tp)
@@ -97,13 +97,13 @@ def step_layout(
     alone_f: list[float] = []
     alone_b: list[float] = []
     for step in range(_STEPS + 1):
-        # In turns with the runner's step: the model computed alone on every
-        # rank at the same moments, the job's compute level then.
-        f, b = _alone_step(alone, args, kwargs, loss_fn or _sum_of_outputs, target)
         steps.append(_step(runner, args, target, kwargs))
         timeline = runner.timeline
         if step == 0:
             continue
+        # In turns with the runner's steps: the model computed alone on every
+        # rank at the same moments, the job's compute level then.
+        f, b = _alone_step(alone, args, kwargs, loss_fn or _sum_of_outputs, target)
         mine = [t for t in (timeline.tasks if timeline else ()) if t.rank == runner.rank]
         forward.append(sum(t.end - t.start for t in mine if t.kind == "F"))
         backward.append(sum(t.end - t.start for t in mine if t.kind == "B"))

@@ -121,25 +121,34 @@ def _ring(group: int) -> float:
 
 
 def dp_per_byte(
-    base: Run, costs: RowCosts, links: LinkPrices | None, num_ranks: int, notes: list[str]
+    base: Run,
+    costs: RowCosts,
+    links: LinkPrices | None,
+    num_ranks: int,
+    notes: list[str],
+    anchored: bool = False,
 ) -> float:
     """Compute seconds per gradient byte that averaging it over `num_ranks`
-    replicas costs on the job beyond the links' price (>= 0)."""
+    replicas costs on the job beyond the links' price (>= 0). `anchored`:
+    the excess is over the profile itself, so that the run measured is
+    predicted as it measured (where pipelines are predicted at their own
+    run's level on the job, `pipeline_level`); else over the model computed
+    alone in the same turns, at the profile's level (where pipelines are
+    predicted from the profile)."""
     prof = costs.at(costs.rows)
     grads = float(sum(prof.parameter_bytes or ()))
     if grads <= 0:
         return 0.0
-    # The excess is over the compute the prediction charges (the profile,
-    # scaled by the measured contention): what the prediction of this very
-    # run misses, so that it predicts the run it was measured from. Where
-    # the model was also computed alone in the same turns, the excess is
-    # the step's over that, brought to the profile's level: a moment of the
-    # machine slower or faster than the profile's is not a cost of
-    # averaging.
+    # Anchored, the excess is over the compute the prediction charges (the
+    # profile, scaled by the measured contention): what the prediction of
+    # this very run misses, so that it predicts the run it was measured
+    # from. Else it is the step's over the model computed alone in the same
+    # turns, brought to the profile's level: a moment of the machine slower
+    # or faster than the profile's is not a cost of averaging.
     compute = sum(prof.forward) + sum(prof.backward)
     reduce = links.time("all_reduce", grads, group_size=num_ranks) if links is not None else 0.0
     alone = base.alone_forward + base.alone_backward
-    if alone > 0:
+    if alone > 0 and not anchored:
         excess = (base.step - alone) * compute / alone - reduce
         against = (
             f"{alone * 1e3:.1f} ms of the model computed alone on each rank in the same turns "
@@ -214,26 +223,29 @@ def per_call_costs(
             continue
         f, b = run.forward, run.backward
         pf, pb = predicted(tp)
-        if run.alone_forward > 0 and run.alone_backward > 0:
+        alone = run.alone_forward + run.alone_backward
+        if alone > 0:
             # The tp run's figures at the profile's level: over the model
-            # computed alone in the same turns, as the profile priced it.
-            extra_f = f * pf1 / run.alone_forward - pf
-            extra_b = b * pb1 / run.alone_backward - pb
-            level = (
-                f"the model alone in the same turns: {run.alone_forward * 1e3:.1f} / "
-                f"{run.alone_backward * 1e3:.1f} ms against {pf1 * 1e3:.1f} / {pb1 * 1e3:.1f} "
-                "as profiled"
+            # computed alone in the same turns, as the profile priced it
+            # (one level for both: where ranks share cores, how a step's
+            # time falls between its forward and backward varies more than
+            # the step's).
+            level = (pf1 + pb1) / alone
+            extra_f, extra_b = f * level - pf, b * level - pb
+            text = (
+                f"the model alone in the same turns: {alone * 1e3:.1f} ms against "
+                f"{(pf1 + pb1) * 1e3:.1f} as profiled"
             )
         else:
             extra_f, extra_b = (f - pf) - offset_f, (b - pb) - offset_b
-            level = (
+            text = (
                 f"without tp: {f1 * 1e3:.1f} / {b1 * 1e3:.1f} against {pf1 * 1e3:.1f} / "
                 f"{pb1 * 1e3:.1f}, its averaging in its backward"
             )
         out[tp] = per_call(shares, extra_f, extra_b)
         notes.append(
             f"tp {tp} measured on the job: forward {f * 1e3:.1f} ms, backward {b * 1e3:.1f} ms "
-            f"against {pf * 1e3:.1f} and {pb * 1e3:.1f} predicted ({level}); the excess at the "
+            f"against {pf * 1e3:.1f} and {pb * 1e3:.1f} predicted ({text}); the excess at the "
             f"profile's level, {max(extra_f, 0) * 1e3:.1f} + {max(extra_b, 0) * 1e3:.1f} ms, is "
             "charged per call to the units' planned modules"
         )

@@ -223,7 +223,9 @@ def plan(
         costs = costs.slowed(slowdown)
         searching = search_args
         if job_runs:
-            per_byte = dp_per_byte(job_runs[1], costs, search_args.links, num_ranks, notes)
+            per_byte = dp_per_byte(
+                job_runs[1], costs, search_args.links, num_ranks, notes, anchored=shared is not None
+            )
             searching = dataclasses.replace(
                 search_args,
                 dp_per_byte=per_byte,
