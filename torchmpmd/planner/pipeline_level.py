@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..graph.inputs import example_inputs
 from .candidates import Candidate, Plan, choose, per_batch
@@ -66,8 +67,13 @@ def on_the_job(
     replica = plan.batch_size // (c.layout or Layout(pp=plan.num_ranks)).replicas
     seconds = _measure[0](c, replica, model, args, kwargs, loss[0], loss[1], tp_plan)
     out = leveled(plan, c, seconds, tolerance)
-    spent = plan.seconds_planning + time.perf_counter() - start
-    return dataclasses.replace(out, seconds_planning=spent)
+    # Rank 0's time, as the rest of the plan is rank 0's: each rank's own
+    # differs by when it entered, and a plan must be the same on every rank
+    # (its repr printed 0.1 s apart on one rank of 4 in a CI run).
+    box = [plan.seconds_planning + time.perf_counter() - start]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    return dataclasses.replace(out, seconds_planning=box[0])
 
 
 def _pipelined(c: Candidate, num_ranks: int) -> bool:
