@@ -23,11 +23,14 @@ rank in turns with them (`Run.alone_forward`, `alone_backward`), brought
 to the profile's level: on a shared machine the profile and the runs are
 seconds apart and its speed is not the same (a dp step measured 1.5x its
 profile in one plan, its forward alone 1.5x too, and all of it went to the
-averaging's price). Without those figures, the job's offset is the run
-without tp's forward's excess (its backward in proportion): not that run's
-backward, which averages every gradient over all the ranks and which, taken
-as the offset, cancelled tp's whole backward excess where the gradients
-were large (57 MiB on 2 ranks: tp 2 predicted 0.65x its step).
+averaging's price). The dp charge is the exception where the ranks share
+cores: pipelines are then predicted at their own run's level on the job
+(`pipeline_level`), and dp's is anchored to its own run likewise
+(`dp_per_byte(anchored=True)`). Without those figures, the job's offset
+is the run without tp's forward's excess (its backward in proportion): not
+that run's backward, which averages every gradient over all the ranks and
+which, taken as the offset, cancelled tp's whole backward excess where the
+gradients were large (57 MiB on 2 ranks: tp 2 predicted 0.65x its step).
 """
 
 from __future__ import annotations
