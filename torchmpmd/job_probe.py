@@ -99,11 +99,12 @@ def step_layout(
     for step in range(_STEPS + 1):
         steps.append(_step(runner, args, target, kwargs))
         timeline = runner.timeline
+        # In turns with the runner's steps (its warm-up too): the model
+        # computed alone on every rank at the same moments, the job's
+        # compute level then.
+        f, b = _alone_step(alone, args, kwargs, loss_fn or _sum_of_outputs, target)
         if step == 0:
             continue
-        # In turns with the runner's steps: the model computed alone on every
-        # rank at the same moments, the job's compute level then.
-        f, b = _alone_step(alone, args, kwargs, loss_fn or _sum_of_outputs, target)
         mine = [t for t in (timeline.tasks if timeline else ()) if t.rank == runner.rank]
         forward.append(sum(t.end - t.start for t in mine if t.kind == "F"))
         backward.append(sum(t.end - t.start for t in mine if t.kind == "B"))
