@@ -44,8 +44,10 @@ prediction (torchmpmd), its ratio to the fastest; then the best pipeline /
 the best SPMD configuration (DDP, FSDP2, TP, torchmpmd pp = 1), the plan /
 the fastest measured (target <= 1.03), the Spearman rank correlation of
 predicted and measured steps over the top five (target >= 0.8), the largest
-prediction error among them (target 10%) and the planning time (target
-< 60 s). For one model (`--memory-model`) the plan is made again with
+prediction error among them (target 10%), the same two for the measurement
+against itself (the top five's medians over the odd rounds against the
+even rounds': how far the run's own figures agree, the floor under any
+prediction's) and the planning time (target < 60 s). For one model (`--memory-model`) the plan is made again with
 `device_memory` = 0.7 x what its choice holds without a limit (activations
 plus state, so that the limit forces another choice), built with
 `measure_memory=True`, and each rank's measured activation peak plus the
@@ -704,6 +706,10 @@ def run_case(case: Case, args: argparse.Namespace, rank: int, world: int) -> dic
             (abs(r["predicted_over_measured"] - 1) for r in rows_out if r["kind"] == "torchmpmd"),
             default=math.nan,
         ),
+        # The measurement against itself: the top five's medians over the
+        # odd rounds against the even rounds' (the agreement any prediction
+        # can be checked to on this machine in this run).
+        **_halves(top),
         "plan_s": plan_s,
         "plan_reported_s": plan.seconds_planning,
         "max_loss_gap": max(r["loss_gap"] for r in rows_out),
@@ -723,6 +729,19 @@ def run_case(case: Case, args: argparse.Namespace, rank: int, world: int) -> dic
         # The machine's 1-minute load average before and after (the ranks
         # themselves add about min(nproc, cores)): other work beside the run.
         "load": [load_before, os.getloadavg()[0]],
+    }
+
+
+def _halves(top: list[dict[str, Any]]) -> dict[str, float]:
+    """Spearman of the rows' medians over odd rounds against even rounds,
+    and the largest gap between a row's two (nan under 2 rows or rounds)."""
+    if len(top) < 2 or min(len(r["steps_s"]) for r in top) < 2:
+        return {"spearman_halves_top5": math.nan, "max_gap_halves_top5": math.nan}
+    odd = [statistics.median(r["steps_s"][0::2]) for r in top]
+    even = [statistics.median(r["steps_s"][1::2]) for r in top]
+    return {
+        "spearman_halves_top5": spearman(odd, even),
+        "max_gap_halves_top5": max(abs(a / b - 1) for a, b in zip(odd, even, strict=True)),
     }
 
 
@@ -774,6 +793,8 @@ def report(r: dict[str, Any], world: int, args: argparse.Namespace) -> None:
         f"   largest prediction error, top five: {s['max_error_top5']:.1%} "
         f"[<= 10%: {_mark(s['max_error_top5'] <= 0.1)}]; any torchmpmd row: "
         f"{s['max_error_torchmpmd']:.1%}\n"
+        f"   the measurement against itself, top five, odd rounds vs even rounds: Spearman "
+        f"{s['spearman_halves_top5']:.3f}, largest gap {s['max_gap_halves_top5']:.1%}\n"
         f"   planning: {s['plan_s']:.1f} s [< 60 s: {_mark(s['plan_s'] < 60)}]; first-step "
         f"losses within {s['max_loss_gap']:.1e} of DDP's"
     )

@@ -36,6 +36,8 @@ from torch.distributed.tensor import DTensor
 
 import torchmpmd as mpmd
 from torchmpmd.planner import contention
+from torchmpmd.schedule.hidden import hidden_by_lane
+from torchmpmd.schedule.timeline import EXCHANGES
 
 UNFUSED, FUSED = "DualPipeV, parts in order", "DualPipeV, sides at once"
 
@@ -91,6 +93,9 @@ def main() -> None:
     busy: dict[str, list[float]] = {n: [] for n in runners}  # CPU s / (step s x cores)
     share: list[float] = []  # dispatch + combine / step, unfused, this rank
     hidden = [0.0, 0.0]
+    # Per side of the fused tasks (backward 0, forward 1): seconds of its
+    # all-to-alls under the other side's compute, all, beside the other's.
+    sides = [0.0] * 6
     timelines: dict[str, list[mpmd.Timeline]] = {n: [] for n in runners}
     first: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
     for round_ in range(args.rounds + 1):  # the first round warms up
@@ -121,6 +126,9 @@ def main() -> None:
                 h, t = mine.hidden_communication()
                 hidden[0] += h
                 hidden[1] += t
+                for lane, sums in hidden_by_lane(mine.events, EXCHANGES).items():
+                    for k, v in enumerate(sums):
+                        sides[3 * min(lane, 1) + k] += v
     # The simulator, from the unfused steps' task times (a fused task's
     # measured time left out: it is what is predicted).
     latency, bandwidth = measure_link(rank, pair=(0, 2))
@@ -152,7 +160,7 @@ def main() -> None:
     (l0, g0), (l1, g1) = first[UNFUSED], first[FUSED]
     same = torch.equal(l0, l1) and all(torch.equal(a, b) for a, b in zip(g0, g1, strict=True))
     summary = torch.tensor(
-        [statistics.median(share), hidden[0], hidden[1], float(same)], dtype=torch.float64
+        [statistics.median(share), hidden[0], hidden[1], float(same), *sides], dtype=torch.float64
     )
     gathered = [torch.zeros_like(summary) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, summary)
@@ -162,6 +170,16 @@ def main() -> None:
     medians = {n: statistics.median(t) for n, t in times.items()}
     hidden_s = sum(float(t[1]) for t in gathered)
     exchange_s = sum(float(t[2]) for t in gathered)
+    side_sums = [sum(float(t[4 + k]) for t in gathered) for k in range(6)]
+
+    def side(k: int) -> dict[str, float]:
+        under, total, beside = side_sums[3 * k : 3 * k + 3]
+        return {
+            "under_compute": under / total if total else 0.0,
+            "beside_other_exchange": beside / total if total else 0.0,
+            "all_to_all_s": total,
+        }
+
     result = {
         "model": f"GPT {args.layers} x {args.dim}, {args.experts} experts top-2, seq {args.seq}, "
         f"{m} microbatches of {rows} per ep rank"
@@ -171,6 +189,7 @@ def main() -> None:
         "exchange_share_of_unfused_step": [float(t[0]) for t in gathered],
         "hidden_fraction": hidden_s / exchange_s if exchange_s else 0.0,
         "bitwise_equal": all(bool(t[3]) for t in gathered),
+        "by_side": {"backward": side(0), "forward": side(1)},
         "cpu_busy": {n: statistics.median(b) for n, b in busy.items()},
         "executor_span_s": spans,
         "simulated_s": predicted,
@@ -189,6 +208,15 @@ def main() -> None:
         + " of the unfused step per rank; all-to-all inside fused tasks under compute: "
         f"{result['hidden_fraction']:.0%}; loss and gradients bitwise equal: "
         f"{result['bitwise_equal']}"
+    )
+    print(
+        "by side of the fused tasks: "
+        + "; ".join(
+            f"the {name} side's all-to-alls ({v['all_to_all_s'] * 1e3:.0f} ms) "
+            f"{v['under_compute']:.0%} under the other's compute, "
+            f"{v['beside_other_exchange']:.0%} while the other exchanged too"
+            for name, v in result["by_side"].items()
+        )
     )
     if args.json:
         with open(args.json, "w") as f:

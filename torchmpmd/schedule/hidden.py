@@ -34,7 +34,17 @@ def _overlap(span: Span, regions: Iterable[Span]) -> float:
 def hidden_communication(events: Sequence[Any], exchanges: Sequence[str]) -> tuple[float, float]:
     """`events`: TimelineEvents. (seconds of the exchanges inside fused tasks that ran while the task's
     other lane computed, all their seconds), summed over every rank."""
-    hidden = total = 0.0
+    by_lane = hidden_by_lane(events, exchanges)
+    return sum(h for h, _, _ in by_lane.values()), sum(t for _, t, _ in by_lane.values())
+
+
+def hidden_by_lane(
+    events: Sequence[Any], exchanges: Sequence[str]
+) -> dict[int, tuple[float, float, float]]:
+    """`hidden_communication` per lane (side) of the exchanges: (seconds under
+    the other lane's compute, all their seconds, seconds while the other
+    lane exchanged too), summed over every rank."""
+    out: dict[int, list[float]] = {}
     by_rank: dict[int, list[Any]] = {}
     for e in events:
         if e.kind in exchanges:
@@ -55,13 +65,14 @@ def hidden_communication(events: Sequence[Any], exchanges: Sequence[str]) -> tup
                 ]
             )
         for k, (_a, _b, lane) in enumerate(task.part_spans):
+            others = [j for j, (_, _, other) in enumerate(task.part_spans) if other != lane]
             computing = [
-                region
-                for j, (a, b, other) in enumerate(task.part_spans)
-                if other != lane
-                for region in _minus((a, b), inside[j])
+                region for j in others for region in _minus(task.part_spans[j][:2], inside[j])
             ]
+            exchanging = [region for j in others for region in inside[j]]
+            sums = out.setdefault(lane, [0.0, 0.0, 0.0])
             for x in inside[k]:
-                total += x[1] - x[0]
-                hidden += _overlap(x, computing)
-    return hidden, total
+                sums[0] += _overlap(x, computing)
+                sums[1] += x[1] - x[0]
+                sums[2] += _overlap(x, exchanging)
+    return {lane: (h, t, both) for lane, (h, t, both) in sorted(out.items())}

@@ -8,6 +8,7 @@ import pytest
 
 import torchmpmd as mpmd
 from torchmpmd import Task, TimelineEvent
+from torchmpmd.schedule.hidden import hidden_by_lane
 
 
 def _fused(rank: int, spans: list[tuple[float, float, int]]) -> TimelineEvent:
@@ -52,3 +53,19 @@ def test_exchanges_outside_fused_tasks_and_other_ranks_do_not_count():
         _exchange(0, "dispatch", 2, 0, 32.0, 34.0),
     ]
     assert mpmd.Timeline(2, events).hidden_communication() == (0.0, 0.0)
+
+
+def test_per_side_the_time_both_sides_exchanged_is_not_hidden():
+    # F (side 1) 0-10, its exchange 4-8; B (side 0) 0-20, its exchange 6-9:
+    # F's is under B's compute 4-6 and beside B's exchange 6-8; B's is beside
+    # F's exchange 6-8 and under F's compute 8-9.
+    events = [
+        _fused(0, [(0.0, 10.0, 1), (0.0, 20.0, 0)]),
+        _exchange(0, "dispatch", 0, 3, 4.0, 8.0),
+        _exchange(0, "combine", 3, 1, 6.0, 9.0),
+    ]
+    by_lane = hidden_by_lane(events, ("dispatch", "combine"))
+    assert by_lane[1] == pytest.approx((2.0, 4.0, 2.0))
+    assert by_lane[0] == pytest.approx((1.0, 3.0, 2.0))
+    hidden, total = mpmd.Timeline(1, events).hidden_communication()
+    assert (hidden, total) == pytest.approx((3.0, 7.0))
