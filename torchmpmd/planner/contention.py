@@ -9,9 +9,18 @@ was about 2x its prediction, with 2 ranks about 1.1x. So the planner counts
 how many pieces of fixed work (matmuls and elementwise ops, a few ms each)
 rank 0 finishes in a window alone, then every rank in the same window at
 once, and scales the profile's times by the ratio of rank 0's fastest rate
-alone to the median of the ranks' mean rates together (every rank gets the
-same factor). On GPUs,
+alone to the fastest of the ranks' mean rates together (`slowdown`; every
+rank gets the same factor). On GPUs,
 one per rank, the ratio is 1 and nothing changes.
+
+Fastest over fastest: what else runs on the machine (another tenant's work,
+in episodes of up to a second here) only ever slows a window, alone or
+together. With the median of the windows together, a slow episode in one
+of the three raised the factor: 2 ranks on 2 cores, eight measurements in
+a row on a quiet machine gave 1.012-1.083 (median together) against
+1.003-1.019 (fastest together), and one taken while planning in the
+benchmark gave 1.13, which put every prediction of that model 10-17% over
+its step (`benchmarks/mpmd_vs_spmd.py --nproc 2`, the U-Net-like model).
 
 A rate over a window, averaged over the ranks, rather than one piece timed
 on rank 0: where ranks outnumber cores the kernel shares the cores fairly
@@ -37,7 +46,7 @@ import torch.distributed as dist
 
 from .layouts import LinkPrices
 
-__all__ = ["Slowed", "contention", "cores", "in_compute_cost"]
+__all__ = ["Slowed", "contention", "cores", "in_compute_cost", "slowdown"]
 
 
 def _piece() -> Callable[[], None]:
@@ -70,10 +79,9 @@ def contention(
     group: dist.ProcessGroup | None = None, repeats: int = 3, window: float = 0.25
 ) -> float:
     """The slowdown of a rank's compute with every rank of `group`
-    computing at once (>= 1; 1.0 without several ranks): rank 0's fastest
-    rate alone over the median of the ranks' mean rates together, over
-    `repeats` windows of `window` seconds each. A collective: every rank
-    calls it."""
+    computing at once (>= 1; 1.0 without several ranks): `slowdown` of rank
+    0's rates alone and the ranks' mean rates together, over `repeats`
+    windows of `window` seconds each. A collective: every rank calls it."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return 1.0
     piece = _piece()
@@ -95,9 +103,16 @@ def contention(
         rates = torch.tensor([_rate(piece, window)], dtype=torch.float64)
         dist.all_reduce(rates, group=group)
         together.append(float(rates.item()) / size)
-    box = [max(alone) / statistics.median(together) if me == first else 0.0]
+    box = [slowdown(alone, together) if me == first else 0.0]
     dist.broadcast_object_list(box, src=first, group=group)
-    return max(1.0, float(box[0]))
+    return float(box[0])
+
+
+def slowdown(alone: list[float], together: list[float]) -> float:
+    """The fastest rate alone over the fastest rate together (pieces per
+    second, each a window's), at least 1: what else runs on the machine
+    only slows a window (see the module docstring)."""
+    return max(1.0, max(alone) / max(together))
 
 
 def _usable_cores() -> float:
