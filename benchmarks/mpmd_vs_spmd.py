@@ -47,11 +47,12 @@ predicted and measured steps over the top five (target >= 0.8), the largest
 prediction error among them (target 10%), the same two for the measurement
 against itself (the top five's medians over the odd rounds against the
 even rounds': how far the run's own figures agree, the floor under any
-prediction's) and the planning time (target < 60 s). For one model (`--memory-model`) the plan is made again with
-`device_memory` = 0.7 x what its choice holds without a limit (activations
-plus state, so that the limit forces another choice), built with
-`measure_memory=True`, and each rank's measured activation peak plus the
-state the plan counted for it is checked against the limit.
+prediction's) and the planning time (target < 60 s). For one model
+(`--memory-model`) the plan is made again with `device_memory` = 0.7 x
+what its choice holds without a limit (activations plus state, so that the
+limit forces another choice), built with `measure_memory=True`, and each
+rank's measured activation peak plus the state the plan counted for it is
+checked against the limit.
 """
 
 from __future__ import annotations
