@@ -22,8 +22,8 @@ planner compares the runner's figures with, so that a slower moment of the
 machine (a single-threaded matmul here took 104-141 ms from one second to
 the next) is not taken for a cost of data or tensor parallelism.
 
-Where the ranks share cores, `mpmd.plan` also steps its fastest pipeline
-candidate here (`step_candidate`) to learn the level of a pipeline's
+Where the ranks compute on one host's CPU, `mpmd.plan` also steps its
+fastest pipeline candidate here (`step_candidate`) to learn the level of a pipeline's
 prediction on the job (`planner/pipeline_level.py`). Every probe steps a
 copy of the model and leaves the random state as it found it.
 
@@ -126,6 +126,11 @@ def step_candidate(
     """The seconds of candidate `c`'s step on the job, each replica a batch
     of `replica_rows` rows (the example's rows repeated): the median over
     its steps after a warm-up of the slowest rank's. A collective."""
+    # A pipeline's ranks step one batch (its runner checks them in): rank
+    # 0's example on every rank, where each rank was given its own.
+    box = [(args, kwargs, target)]
+    dist.broadcast_object_list(box, src=0)
+    args, kwargs, target = box[0]
     rows = max(batch_rows(args, kwargs), 1)
     copies = -(-replica_rows // rows)
     batch, kw, tgt = pytree.tree_map(

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from .layouts import LinkPrices
 
-__all__ = ["Slowed", "contention", "cores", "in_compute_cost", "slowdown"]
+__all__ = ["Slowed", "contention", "cores", "in_compute_cost", "share_a_host", "slowdown"]
 
 
 def _piece() -> Callable[[], None]:
@@ -143,6 +143,16 @@ def cores(group: dist.ProcessGroup | None = None) -> tuple[float, float]:
     dist.all_gather_object(every, mine, group=group)
     hosts = {host: count for host, count, _ in filter(None, every)}
     return sum(hosts.values()), float(max(t for _, _, t in filter(None, every)))
+
+
+def share_a_host(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether two or more ranks of `group` run on one host (False without
+    several ranks). A collective: every rank calls it."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return False
+    every: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, socket.gethostname(), group=group)
+    return len(set(every)) < len(every)
 
 
 def in_compute_cost(group: dist.ProcessGroup | None = None, repeats: int = 3) -> float:

@@ -1,5 +1,5 @@
 """The level of a pipeline's prediction, measured on the job, for
-`mpmd.plan` where its ranks share cores.
+`mpmd.plan` where its ranks compute on one host's CPU.
 
 The simulator charges a rank that shares its cores with others by how many
 compute beside it (`Costs.shared_cores`), and the profile's times by the
@@ -10,12 +10,18 @@ while the others fill their bubbles. On 4 ranks sharing 2 cores,
 pipelines measured 6-32% over their prediction (`benchmarks/
 mpmd_vs_spmd.py --nproc 4`) while layouts without a pipeline, priced from
 a run on the job (`job_runs`), came within a few percent: the plan chose a
-pipeline 1.20x slower than DDP. So where the ranks share cores and both
-kinds of layout ran, the fastest pipeline candidate is stepped on the job
-(`set_measure`: `job_probe.step_candidate`) and every candidate with a
-pipeline is predicted at the level it measured; the plan is then chosen
-again as `mpmd.plan` chooses (the fastest, the simplest within the
-tolerance).
+pipeline 1.20x slower than DDP. With a core per rank the ranks still share
+the host's caches, memory bus and the backend's threads, and the profile,
+taken on rank 0 alone seconds before, moves with the machine: on 2 ranks
+of 2 cores the same ZBV(2) was predicted 177-218 ms by consecutive plans
+and stepped in 193-196 ms, DualPipeV(4) 210-291 ms against 230-239, its
+tasks 0.65-1.19x their simulated times. So where the ranks compute on one
+host's CPU and both kinds of layout ran, the fastest pipeline candidate is
+stepped on the job (`set_measure`: `job_probe.step_candidate`) and every
+candidate with a pipeline is predicted at the level it measured; the plan
+is then chosen again as `mpmd.plan` chooses (the fastest, the simplest
+within the tolerance). Layouts without a pipeline are priced from their own
+runs on the job likewise (`job_runs.dp_per_byte(anchored=True)`).
 """
 
 from __future__ import annotations
@@ -113,7 +119,8 @@ def leveled(plan: Plan, measured: Candidate, seconds: float, tolerance: float) -
     kept = plan.balance if _same(best, mine) else None
     out = plan.taking(best, tuple(others + refused), kept)
     text = (
-        f"pipelines' level measured on the job (its ranks share cores): {measured.name} on "
+        f"pipelines' level measured on the job (its ranks compute on one host's CPU): "
+        f"{measured.name} on "
         f"{measured.layout} stepped in {seconds * 1e3:.1f} ms against "
         f"{measured.predicted_step_time * 1e3:.1f} ms predicted; every candidate with a "
         f"pipeline is predicted {ratio:.2f}x its simulation"

@@ -26,13 +26,14 @@ global batch (`batch_size` rows):
   or in full: `Plan.recompute`, for `RunnerOptions(recompute=...)`.
 
 The fastest candidate is the plan (the simplest within `tolerance`); the
-others are kept, ranked, with why they lost. Where the ranks share cores,
-the fastest pipeline is stepped on the job and every pipeline predicted
-at the level it measured (`pipeline_level`). Without `batch_size` the
-pipeline over `num_ranks` ranks alone is weighed, per microbatch. Without
-links (no process group to calibrate, none given) layouts with dp, tp or
-ep are not weighed, and `Plan.notes` says so. Not searched: a recompute
-set per rank beyond the two above, or a mix of modes.
+others are kept, ranked, with why they lost. Where the ranks compute on
+one host's CPU, the fastest pipeline is stepped on the job and every
+pipeline predicted at the level it measured (`pipeline_level`). Without
+`batch_size` the pipeline over `num_ranks` ranks alone is weighed, per
+microbatch. Without links (no process group to calibrate, none given)
+layouts with dp, tp or ep are not weighed, and `Plan.notes` says so. Not
+searched: a recompute set per rank beyond the two above, or a mix of
+modes.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from .candidates import (
     nothing_fits,
     per_batch,
 )
-from .contention import Slowed, contention, cores, in_compute_cost
+from .contention import Slowed, contention, cores, in_compute_cost, share_a_host
 from .expert_costs import ExpertShares, over_ep
 from .expert_costs import probe as probe_experts
 from .job_runs import charged, dp_per_byte, per_call_costs, runs
@@ -158,9 +159,13 @@ def plan(
     notes: list[str] = []
     if links is None and (wanted is None or any(w.num_devices > w.pp for w in wanted)):
         links = _calibrated(num_ranks, notes, _parameter_bytes(model))
-    slowdown, in_compute, shared = 1.0, 0.0, None
+    slowdown, in_compute, shared, level_on_job = 1.0, 0.0, None, False
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() == num_ranks > 1:
         slowdown, in_compute = contention(), in_compute_cost()
+        # CPU ranks of one host: pipelines are predicted at their level on
+        # the job (`pipeline_level`), as the layouts without one are priced
+        # from their runs on it.
+        level_on_job = share_a_host() and _on_cpu(model)
         if slowdown > 1.05:  # the same on every rank (rank 0's, broadcast)
             notes.append(
                 f"the ranks compute {slowdown:.2f}x slower together than one alone (they share "
@@ -177,6 +182,7 @@ def plan(
                     "pipeline's tasks are simulated at that slowdown where every rank computes, "
                     "faster where fewer do (its bubbles)"
                 )
+        level_on_job = level_on_job or shared is not None
     job_runs = runs(
         model,
         example_args,
@@ -224,7 +230,7 @@ def plan(
         searching = search_args
         if job_runs:
             per_byte = dp_per_byte(
-                job_runs[1], costs, search_args.links, num_ranks, notes, anchored=shared is not None
+                job_runs[1], costs, search_args.links, num_ranks, notes, anchored=level_on_job
             )
             searching = dataclasses.replace(
                 search_args,
@@ -250,7 +256,7 @@ def plan(
             found += searching.layout(layout, costs, shares)
         return _chosen(found, searching, num_ranks, tolerance, notes, start)
 
-    if shared is None:
+    if not level_on_job:
         return on_rank_zero(run)
     example, loss = (example_args, example_kwargs), (loss_fn, example_target)
     return on_the_job(on_rank_zero(run), model, example, loss, tp_plan, tolerance)
@@ -439,6 +445,12 @@ def _every_layout(
             "tp not weighed: the model has no tensor-parallel plan of its own (pass tp_plan=...)"
         )
     return layouts_of(num_ranks, max_pp=units, tp_sizes=tps, ep_sizes=eps)
+
+
+def _on_cpu(model: torch.nn.Module) -> bool:
+    """The model's tensors on the CPU (or meta) and the job not on NCCL."""
+    tensors = (*model.parameters(), *model.buffers())
+    return dist.get_backend() != "nccl" and all(t.device.type in ("cpu", "meta") for t in tensors)
 
 
 def _parameter_bytes(model: torch.nn.Module) -> int:

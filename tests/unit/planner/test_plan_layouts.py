@@ -385,7 +385,7 @@ def test_data_parallelism_measured_on_the_job_is_charged_to_the_backward_by_the_
 
 
 def test_a_pipeline_measured_on_the_job_levels_every_pipeline_and_the_plan_is_chosen_again():
-    """Where the ranks share cores, the fastest pipeline candidate stepped on
+    """Where the ranks compute on one host's CPU, the fastest pipeline stepped on
     the job sets the level of every candidate with a pipeline (pp > 1);
     layouts without one keep their predictions, and the plan is chosen
     again: here the pipeline predicted 0.9x DDP measured 1.5x its
