@@ -92,6 +92,32 @@ def test_the_first_stage_runs_its_whole_backward_as_w():
     assert tasks[("I", 1)] + tasks[("W", 1)] == sum(prof.backward[2:])
 
 
+def test_a_split_stage_runs_its_b_as_its_i_and_w():
+    """DualPipeV gives every stage I / W tasks and B tasks besides (alone and
+    fused with a forward): the runtime splits those stages and runs each B
+    as their I and W graphs, so the simulator charges it I + W (here 1.4x
+    the autograd backward profiled), fused or not."""
+    prof = _chain(1.4)
+    found = search(prof, 4, schedule=mpmd.schedules.DualPipeV(4), num_ranks=2)
+    split = {s: 1.4 * prof.backward[s] for s in range(4)}  # one unit per stage
+    alone = fused = 0
+    for e in found.timeline.tasks:
+        parts = e.sub_tasks or (e.task,)
+        if any(p.kind == "B" for p in parts):
+            charged = sum(split[p.stage] if p.kind == "B" else prof.forward[p.stage] for p in parts)
+            if e.sub_tasks:  # a part's wait for what it receives runs inside the task
+                assert e.duration >= charged - 1e-9, e
+                fused += 1
+            else:
+                assert e.duration == pytest.approx(charged), e
+                alone += 1
+    assert alone >= 3 and fused >= 3, found.timeline.tasks
+    # A schedule without I / W tasks runs the autograd backward profiled.
+    one = search(prof, 2, schedule=mpmd.schedules.OneFOneB(4), num_ranks=2)
+    b = {e.stage: e.duration for e in one.timeline.tasks if e.kind == "B"}
+    assert b == {0: pytest.approx(sum(prof.backward[:2])), 1: pytest.approx(sum(prof.backward[2:]))}
+
+
 def test_a_profile_needs_both_or_neither():
     base = Profile.chain(["a", "b"], [1.0, 1.0])
     with pytest.raises(ValueError, match="input_grad and weight_grad together"):
