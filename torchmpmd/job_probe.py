@@ -23,9 +23,11 @@ machine (a single-threaded matmul here took 104-141 ms from one second to
 the next) is not taken for a cost of data or tensor parallelism.
 
 Where the ranks compute on one host's CPU, `mpmd.plan` also steps its
-fastest pipeline candidate here (`step_candidate`) to learn the level of a pipeline's
-prediction on the job (`planner/pipeline_level.py`). Every probe steps a
-copy of the model and leaves the random state as it found it.
+fastest candidates with and without a pipeline here, in turns, each at its
+replica's share of the batch (`step_candidates`), to learn the level of
+each kind's predictions on the job (`planner/pipeline_level.py`). Every
+probe steps a copy of the model and leaves the random state as it found
+it.
 
 It lives beside `build` and `refine` because it runs the runtime, which the
 planner does not import; `mpmd.plan` finds it through `set_probe` and
@@ -56,7 +58,7 @@ from .planner.weigh import batch_rows
 from .runtime import PipelineRunner, RunnerOptions
 from .schedules import OneFOneB
 
-__all__ = ["step_candidate", "step_layout"]
+__all__ = ["step_candidates", "step_layout"]
 
 _STEPS = 4  # timed, after one warm-up step
 _P = ParamSpec("_P")
@@ -113,48 +115,54 @@ def step_layout(
     return Run(*_slowest([forward, backward, steps[1:], alone_f, alone_b]))
 
 
-def step_candidate(
-    c: Candidate,
-    replica_rows: int,
+def step_candidates(
+    cs: list[Candidate],
+    replica_rows: list[int],
     model: torch.nn.Module,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     loss_fn: Callable[[Any, Any], torch.Tensor] | None,
     target: Any,
     tp_plan: dict[str, Any] | None,
-) -> float:
-    """The seconds of candidate `c`'s step on the job, each replica a batch
-    of `replica_rows` rows (the example's rows repeated): the median over
-    its steps after a warm-up of the slowest rank's. A collective."""
+) -> list[float]:
+    """The seconds of each candidate's step on the job (`cs[k]`'s replicas a
+    batch of `replica_rows[k]` rows each, the example's rows repeated),
+    stepped in turns: per candidate the median over its steps after a
+    warm-up of the slowest rank's. A collective."""
     # A pipeline's ranks step one batch (its runner checks them in): rank
     # 0's example on every rank, where each rank was given its own.
     box = [(args, kwargs, target)]
     dist.broadcast_object_list(box, src=0)
     args, kwargs, target = box[0]
     rows = max(batch_rows(args, kwargs), 1)
-    copies = -(-replica_rows // rows)
-    batch, kw, tgt = pytree.tree_map(
-        lambda t: (
-            torch.cat([t] * copies)[:replica_rows]
-            if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == rows
-            else t
-        ),
-        (args, kwargs, target),
-    )
-    layout = c.layout or Layout(pp=dist.get_world_size())
-    runner = runner_of(
-        c,
-        copy.deepcopy(model),
-        batch,
-        replica_rows,
-        loss_fn or _sum_of_outputs,
-        RunnerOptions(tp_plan=tp_plan if layout.tp > 1 else None),
-        layout_mesh(layout),
-        batch_kwargs=kw,
-    )
-    steps = [_step(runner, batch, tgt, kw) for _ in range(_STEPS)]
-    (seconds,) = _slowest([steps[1:]])
-    return seconds
+    runs = []
+    for c, want in zip(cs, replica_rows, strict=True):
+        copies = -(-want // rows)
+        batch, kw, tgt = pytree.tree_map(
+            lambda t, copies=copies, want=want: (
+                torch.cat([t] * copies)[:want]
+                if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == rows
+                else t
+            ),
+            (args, kwargs, target),
+        )
+        layout = c.layout or Layout(pp=dist.get_world_size())
+        runner = runner_of(
+            c,
+            copy.deepcopy(model),
+            batch,
+            want,
+            loss_fn or _sum_of_outputs,
+            RunnerOptions(tp_plan=tp_plan if layout.tp > 1 else None),
+            layout_mesh(layout),
+            batch_kwargs=kw,
+        )
+        runs.append((runner, batch, tgt, kw))
+    steps: list[list[float]] = [[] for _ in cs]
+    for _ in range(_STEPS):
+        for k, (runner, batch, tgt, kw) in enumerate(runs):
+            steps[k].append(_step(runner, batch, tgt, kw))
+    return _slowest([s[1:] for s in steps])
 
 
 def _step(runner: PipelineRunner, args: Any, target: Any, kwargs: dict[str, Any]) -> float:
@@ -229,4 +237,4 @@ def _rng_kept(fn: Callable[_P, _T]) -> Callable[_P, _T]:
 
 
 set_probe(_rng_kept(step_layout))
-set_measure(_rng_kept(step_candidate))
+set_measure(_rng_kept(step_candidates))

@@ -385,12 +385,12 @@ def test_data_parallelism_measured_on_the_job_is_charged_to_the_backward_by_the_
 
 
 def test_a_pipeline_measured_on_the_job_levels_every_pipeline_and_the_plan_is_chosen_again():
-    """Where the ranks compute on one host's CPU, the fastest pipeline stepped on
-    the job sets the level of every candidate with a pipeline (pp > 1);
-    layouts without one keep their predictions, and the plan is chosen
-    again: here the pipeline predicted 0.9x DDP measured 1.5x its
-    prediction, so DDP is the plan, and the pipeline is ranked behind it
-    with its measured step."""
+    """Where the ranks compute on one host's CPU, the fastest candidates with
+    and without a pipeline, stepped on the job, set the level of every
+    candidate of their kind, and the plan is chosen again: here the
+    pipeline predicted 0.9x DDP measured 1.5x its prediction, so DDP is the
+    plan, and the pipeline is ranked behind it with its measured step; a
+    kind not measured keeps its predictions."""
     from torchmpmd.planner.pipeline_level import leveled, to_measure
 
     def candidate(layout: mpmd.Layout, m: int, step: float) -> mpmd.planner.Candidate:
@@ -421,8 +421,8 @@ def test_a_pipeline_measured_on_the_job_levels_every_pipeline_and_the_plan_is_ch
         batch_size=64,
         alternatives=(mixed, ddp, fsdp),
     )
-    assert to_measure(plan) == plan.as_candidate()
-    out = leveled(plan, plan.as_candidate(), 1.35, 0.03)
+    assert to_measure(plan) == [plan.as_candidate(), ddp]
+    out = leveled(plan, [(plan.as_candidate(), 1.35)], 0.03)
     assert out.mesh_layout == mpmd.Layout(dp=4) and out.predicted_step_time == 1.0
     assert out.balance is None  # the simulation's balance was the pipeline's
     ranked = {str(c.layout): c for c in out.alternatives}
@@ -433,9 +433,21 @@ def test_a_pipeline_measured_on_the_job_levels_every_pipeline_and_the_plan_is_ch
     assert "predicted 1.50x its simulation" in out.notes[-1], out.notes
     assert "the simulation alone chose" in out.notes[-1] and "on pp 4" in out.notes[-1]
     # Measured at its prediction, nothing changes but the note.
-    same = leveled(plan, plan.as_candidate(), 0.9, 0.03)
+    same = leveled(plan, [(plan.as_candidate(), 0.9)], 0.03)
     assert same.mesh_layout == mpmd.Layout(pp=4) and same.predicted_step_time == 0.9
     assert same.measured_step_time == 0.9 and same.balance is plan.balance
     assert [c.predicted_step_time for c in same.alternatives] == [0.95, 1.0, 1.2]
     # Only pipelines (or no pipeline) ran: the level cannot change the choice.
-    assert to_measure(dataclasses.replace(plan, alternatives=(mixed,))) is None
+    assert to_measure(dataclasses.replace(plan, alternatives=(mixed,))) == []
+    # Both kinds measured: DDP at 1.1x its prediction, FSDP with it.
+    both = leveled(plan, [(plan.as_candidate(), 1.35), (ddp, 1.1)], 0.03)
+    assert both.mesh_layout == mpmd.Layout(dp=4) and both.predicted_step_time == pytest.approx(1.1)
+    assert both.measured_step_time == 1.1
+    ranked = {str(c.layout): c for c in both.alternatives}
+    assert ranked["dp 4 (fsdp)"].predicted_step_time == pytest.approx(1.2 * 1.1)
+    assert ranked["pp 4"].predicted_step_time == pytest.approx(1.35)
+    note = both.notes[-1]
+    assert (
+        "with a pipeline is predicted 1.50x" in note
+        and "without a pipeline is predicted 1.10x" in note
+    )
