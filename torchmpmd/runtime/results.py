@@ -5,7 +5,8 @@ rank's measured timeline (`gather_timeline`)."""
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+import contextlib
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -33,27 +34,69 @@ def done(value: _T | None) -> _T:
     return value
 
 
+class LossMean(NamedTuple):
+    """The loss rank's microbatch losses and the mean over the replicas it is
+    being averaged into (`start_loss_mean`)."""
+
+    per_mb: torch.Tensor
+    total: torch.Tensor  # this replica's mean, summed over the replicas once `work` is done
+    work: dist.Work
+
+
+def start_loss_mean(
+    collective: Collective,
+    src: int,
+    losses: list[torch.Tensor | None],
+    device: torch.device,
+    replicas: dist.ProcessGroup | None,
+) -> LossMean | None:
+    """On the last stage's rank `src` with data-parallel `replicas`: starts
+    summing its mean loss over them, before the step's gradient averaging
+    is waited for (on the group's queue behind it, so its latency runs
+    under those waits, not after them); None elsewhere. Every rank of a
+    replica group holds the same stages: all of them start it, or none."""
+    if replicas is None or collective.rank != src:
+        return None
+    # float64 holds a float32 or float64 loss exactly.
+    per_mb = torch.stack([done(loss).double() for loss in losses]).to(device)
+    total = per_mb.mean().reshape(1)
+    return LossMean(per_mb, total, dist.all_reduce(total, group=replicas, async_op=True))
+
+
+def settle(started: LossMean | None) -> None:
+    """Waits for a started loss mean whatever its outcome (a step failing
+    before `share_losses`: Gloo aborts the process when a group is
+    destroyed with a collective of its own pending)."""
+    if started is not None:
+        with contextlib.suppress(RuntimeError):
+            started.work.wait()
+
+
 def share_losses(
     collective: Collective,
     src: int,
     losses: list[torch.Tensor | None],
     device: torch.device,
     replicas: dist.ProcessGroup | None,
+    started: LossMean | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's per-microbatch losses from the last stage's rank `src`, on
     every rank, and their mean (over every data-parallel shard's too, the
-    `replicas` group's: the global batch's loss)."""
-    # float64 holds a float32 or float64 loss exactly.
+    `replicas` group's: the global batch's loss, which `src` averaged over
+    its replicas, `started`, and sends with its losses)."""
+    n = len(losses)
     if collective.rank == src:
-        per_mb = torch.stack([done(loss).double() for loss in losses]).to(device)
+        if started is None:
+            per_mb = torch.stack([done(loss).double() for loss in losses]).to(device)
+            mean = per_mb.mean().reshape(1)
+        else:
+            started.work.wait()
+            per_mb, mean = started.per_mb, started.total / dist.get_world_size(replicas)
+        both = torch.cat([per_mb, mean])
     else:
-        per_mb = torch.empty(len(losses), dtype=torch.float64, device=device)
-    broadcast(collective.transport, per_mb, src, collective.timeout, "the step's losses")
-    loss = per_mb.mean()
-    if replicas is not None:
-        dist.all_reduce(loss, group=replicas)
-        loss /= dist.get_world_size(replicas)
-    return loss, per_mb
+        both = torch.empty(n + 1, dtype=torch.float64, device=device)
+    broadcast(collective.transport, both, src, collective.timeout, "the step's losses")
+    return both[n], both[:n]
 
 
 def share_outputs(

@@ -192,16 +192,16 @@ class PipelineRunner:
                     # in the backward.
                     backward_rng=set(self._settings.selective_recompute),
                 )
-            layout.finish(self._traced.tied_parameters)
+            where = (self._collective, compiled.loss_rank, step.losses, self.device)
+            started = results.start_loss_mean(*where, layout.replica_group)
+            try:
+                layout.finish(self._traced.tied_parameters)
+            except BaseException:
+                results.settle(started)
+                raise
             self.timeline = compiled.measured_timeline(self.num_ranks)
             self.timeline.events.extend(layout.step_events(self.rank))
-            loss, losses = results.share_losses(
-                self._collective,
-                compiled.loss_rank,
-                step.losses,
-                self.device,
-                layout.replica_group,
-            )
+            loss, losses = results.share_losses(*where, layout.replica_group, started)
         return StepOutput(loss=loss, losses=losses, metrics=layout.step_metrics())
 
     @torch.no_grad()
