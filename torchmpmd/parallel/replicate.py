@@ -78,6 +78,9 @@ class _Early:
     sent: int = 0  # the buckets before it have gone out
     handles: list[RemovableHandle] = field(default_factory=list)
     final: set[int] = field(default_factory=set)  # id(parameter) of those counted
+    # id(parameter) -> its slice of its bucket's buffer, which its gradient
+    # is copied into as soon as it is final (while it is still in cache)
+    views: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def remove(self) -> None:
         for h in self.handles:
@@ -199,6 +202,12 @@ class Replicas(Parallelism):
             [len(b) for b in buckets],
             {id(p): i for i, b in enumerate(buckets) for p in b},
         )
+        for bucket in buckets:
+            flat, offset = self._flat(bucket), 0
+            for p in bucket:
+                n = local_shard(p).numel()
+                early.views[id(p)] = flat[offset : offset + n]
+                offset += n
         self._early[stage] = early
         for p in params:
             hook = p.register_post_accumulate_grad_hook  # untyped in torch
@@ -215,12 +224,15 @@ class Replicas(Parallelism):
                 "group: the task that finishes the stage's weight gradients "
                 "accumulated it twice"
             )
+        if p.grad is not None:
+            with torch.no_grad():
+                early.views[id(p)].copy_(local_shard(p.grad).reshape(-1))
         if id(p) in early.final:
-            return  # accumulated again before its bucket left: it reads the sum
+            return  # accumulated again before its bucket left: the copy is the sum
         early.final.add(id(p))
         early.waiting[i] -= 1
         while early.sent < len(early.buckets) and early.waiting[early.sent] <= 0:
-            self._launch_bucket(early.buckets[early.sent], in_backward=True)
+            self._launch_bucket(early.buckets[early.sent], in_backward=True, copied=early.final)
             early.sent += 1
 
     def reduce_grads(self, stage: int) -> None:
@@ -265,13 +277,15 @@ class Replicas(Parallelism):
         for group in _buckets(params, self.bucket_bytes):
             self._launch_bucket(group)
 
-    def _launch_bucket(self, group: list[torch.nn.Parameter], in_backward: bool = False) -> None:
+    def _flat(self, group: list[torch.nn.Parameter]) -> torch.Tensor:
+        """The buffer of a bucket: its gradients, then a flag per parameter;
+        kept from step to step while the parameters keep their dtype and
+        device."""
         locals_ = [local_shard(p) for p in group]
         numel = sum(t.numel() for t in locals_) + len(group)
         key = tuple(id(p) for p in group)
         flat = self._flats.get(key)
         first = locals_[0]
-        # Kept while the parameters keep their dtype and device.
         if flat is None or (flat.numel(), flat.dtype, flat.device) != (
             numel,
             first.dtype,
@@ -279,15 +293,28 @@ class Replicas(Parallelism):
         ):
             flat = torch.empty(numel, dtype=first.dtype, device=first.device)
             self._flats[key] = flat
+        return flat
+
+    def _launch_bucket(
+        self,
+        group: list[torch.nn.Parameter],
+        in_backward: bool = False,
+        copied: set[int] | frozenset[int] = frozenset(),
+    ) -> None:
+        """Sends a bucket: its gradients (those in `copied` are in its buffer
+        already), a flag per parameter."""
+        flat = self._flat(group)
         offset = 0
         with torch.no_grad():
-            for p, local in zip(group, locals_, strict=True):
-                view = flat[offset : offset + local.numel()]
-                if p.grad is not None:
-                    view.copy_(local_shard(p.grad).reshape(-1))
-                else:
-                    view.zero_()
-                offset += local.numel()
+            for p in group:
+                n = local_shard(p).numel()
+                if id(p) not in copied:
+                    view = flat[offset : offset + n]
+                    if p.grad is not None:
+                        view.copy_(local_shard(p.grad).reshape(-1))
+                    else:
+                        view.zero_()
+                offset += n
             flat[offset:].copy_(torch.tensor([p.grad is not None for p in group], dtype=flat.dtype))
         work = dist.all_reduce(flat, group=self._group, async_op=True)
         self._buckets.append(_Bucket(group, flat, work))
