@@ -203,11 +203,7 @@ class Replicas(Parallelism):
             {id(p): i for i, b in enumerate(buckets) for p in b},
         )
         for bucket in buckets:
-            flat, offset = self._flat(bucket), 0
-            for p in bucket:
-                n = local_shard(p).numel()
-                early.views[id(p)] = flat[offset : offset + n]
-                offset += n
+            early.views.update((id(p), view) for p, view in _slices(bucket, self._flat(bucket)))
         self._early[stage] = early
         for p in params:
             hook = p.register_post_accumulate_grad_hook  # untyped in torch
@@ -304,18 +300,17 @@ class Replicas(Parallelism):
         """Sends a bucket: its gradients (those in `copied` are in its buffer
         already), a flag per parameter."""
         flat = self._flat(group)
-        offset = 0
         with torch.no_grad():
-            for p in group:
-                n = local_shard(p).numel()
-                if id(p) not in copied:
-                    view = flat[offset : offset + n]
-                    if p.grad is not None:
-                        view.copy_(local_shard(p.grad).reshape(-1))
-                    else:
-                        view.zero_()
-                offset += n
-            flat[offset:].copy_(torch.tensor([p.grad is not None for p in group], dtype=flat.dtype))
+            for p, view in _slices(group, flat):
+                if id(p) in copied:
+                    continue
+                if p.grad is not None:
+                    view.copy_(local_shard(p.grad).reshape(-1))
+                else:
+                    view.zero_()
+            flat[-len(group) :].copy_(
+                torch.tensor([p.grad is not None for p in group], dtype=flat.dtype)
+            )
         work = dist.all_reduce(flat, group=self._group, async_op=True)
         self._buckets.append(_Bucket(group, flat, work))
         nbytes = flat.numel() * flat.element_size()
@@ -348,25 +343,33 @@ def broadcast_from_first(
 
 
 def _write_back(bucket: _Bucket, size: int) -> None:
-    n = len(bucket.params)
-    flags = bucket.flat[-n:]
-    offset = 0
+    flags = bucket.flat[-len(bucket.params) :].tolist()
     with torch.no_grad():
-        for p, flag in zip(bucket.params, flags.tolist(), strict=True):
+        for (p, view), flag in zip(_slices(bucket.params, bucket.flat), flags, strict=True):
+            if not flag:
+                continue
             local = local_shard(p)
-            numel = local.numel()
-            if flag:
-                total = bucket.flat[offset : offset + numel].view_as(local)
-                if p.grad is not None:
-                    torch.div(total, size, out=local_shard(p.grad))
-                    offset += numel
-                    continue
-                mean = total / size
-                if isinstance(p, DTensor):
-                    p.grad = DTensor.from_local(mean, p.device_mesh, p.placements, run_check=False)
-                else:
-                    p.grad = mean
-            offset += numel
+            total = view.view_as(local)
+            if p.grad is not None:
+                torch.div(total, size, out=local_shard(p.grad))
+                continue
+            mean = total / size
+            if isinstance(p, DTensor):
+                p.grad = DTensor.from_local(mean, p.device_mesh, p.placements, run_check=False)
+            else:
+                p.grad = mean
+
+
+def _slices(
+    group: list[torch.nn.Parameter], flat: torch.Tensor
+) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """Each parameter of a bucket with its slice of the bucket's buffer."""
+    out, offset = [], 0
+    for p in group:
+        n = local_shard(p).numel()
+        out.append((p, flat[offset : offset + n]))
+        offset += n
+    return out
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:

@@ -27,8 +27,9 @@ global batch (`batch_size` rows):
 
 The fastest candidate is the plan (the simplest within `tolerance`); the
 others are kept, ranked, with why they lost. Where the ranks compute on
-one host's CPU, the fastest pipeline is stepped on the job and every
-pipeline predicted at the level it measured (`pipeline_level`). Without
+one host's CPU, the fastest candidates with and without a pipeline are
+stepped on the job in turns and every candidate predicted at the level
+the measured one of its kind measured (`pipeline_level`). Without
 `batch_size` the pipeline over `num_ranks` ranks alone is weighed, per
 microbatch. Without links (no process group to calibrate, none given)
 layouts with dp, tp or ep are not weighed, and `Plan.notes` says so. Not
@@ -162,9 +163,8 @@ def plan(
     slowdown, in_compute, shared, level_on_job = 1.0, 0.0, None, False
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() == num_ranks > 1:
         slowdown, in_compute = contention(), in_compute_cost()
-        # CPU ranks of one host: pipelines are predicted at their level on
-        # the job (`pipeline_level`), as the layouts without one are priced
-        # from their runs on it.
+        # CPU ranks of one host: each kind of layout (with a pipeline, or
+        # without one) is predicted at its level on the job (`pipeline_level`).
         level_on_job = share_a_host() and _on_cpu(model)
         if slowdown > 1.05:  # the same on every rank (rank 0's, broadcast)
             notes.append(

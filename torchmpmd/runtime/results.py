@@ -35,12 +35,13 @@ def done(value: _T | None) -> _T:
 
 
 class LossMean(NamedTuple):
-    """The loss rank's microbatch losses and the mean over the replicas it is
-    being averaged into (`start_loss_mean`)."""
+    """The loss rank's microbatch losses and their mean, being summed over
+    its replicas (`start_loss_mean`)."""
 
     per_mb: torch.Tensor
-    total: torch.Tensor  # this replica's mean, summed over the replicas once `work` is done
-    work: dist.Work
+    total: torch.Tensor  # this replica's mean; the replicas' sum once `work` is done
+    work: dist.Work | None  # None: no replicas
+    replicas: int
 
 
 def start_loss_mean(
@@ -50,24 +51,28 @@ def start_loss_mean(
     device: torch.device,
     replicas: dist.ProcessGroup | None,
 ) -> LossMean | None:
-    """On the last stage's rank `src` with data-parallel `replicas`: starts
-    summing its mean loss over them, before the step's gradient averaging
-    is waited for (on the group's queue behind it, so its latency runs
-    under those waits, not after them); None elsewhere. Every rank of a
-    replica group holds the same stages: all of them start it, or none."""
-    if replicas is None or collective.rank != src:
+    """On the last stage's rank `src`: its microbatch losses, and their mean
+    started summing over its data-parallel `replicas` (if any) before the
+    step's gradient averaging is waited for (on the group's queue behind
+    it, so its latency runs under those waits, not after them); None
+    elsewhere. Every rank of a replica group holds the same stages: all of
+    them start it, or none."""
+    if collective.rank != src:
         return None
     # float64 holds a float32 or float64 loss exactly.
     per_mb = torch.stack([done(loss).double() for loss in losses]).to(device)
     total = per_mb.mean().reshape(1)
-    return LossMean(per_mb, total, dist.all_reduce(total, group=replicas, async_op=True))
+    if replicas is None:
+        return LossMean(per_mb, total, None, 1)
+    work = dist.all_reduce(total, group=replicas, async_op=True)
+    return LossMean(per_mb, total, work, dist.get_world_size(replicas))
 
 
 def settle(started: LossMean | None) -> None:
     """Waits for a started loss mean whatever its outcome (a step failing
     before `share_losses`: Gloo aborts the process when a group is
     destroyed with a collective of its own pending)."""
-    if started is not None:
+    if started is not None and started.work is not None:
         with contextlib.suppress(RuntimeError):
             started.work.wait()
 
@@ -75,24 +80,18 @@ def settle(started: LossMean | None) -> None:
 def share_losses(
     collective: Collective,
     src: int,
-    losses: list[torch.Tensor | None],
+    num_microbatches: int,
     device: torch.device,
-    replicas: dist.ProcessGroup | None,
-    started: LossMean | None = None,
+    started: LossMean | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's per-microbatch losses from the last stage's rank `src`, on
-    every rank, and their mean (over every data-parallel shard's too, the
-    `replicas` group's: the global batch's loss, which `src` averaged over
-    its replicas, `started`, and sends with its losses)."""
-    n = len(losses)
-    if collective.rank == src:
-        if started is None:
-            per_mb = torch.stack([done(loss).double() for loss in losses]).to(device)
-            mean = per_mb.mean().reshape(1)
-        else:
+    """The step's per-microbatch losses from the last stage's rank `src`
+    (`started` there, by `start_loss_mean`), on every rank, and their mean
+    (over every data-parallel shard's too: the global batch's loss)."""
+    n = num_microbatches
+    if started is not None:
+        if started.work is not None:
             started.work.wait()
-            per_mb, mean = started.per_mb, started.total / dist.get_world_size(replicas)
-        both = torch.cat([per_mb, mean])
+        both = torch.cat([started.per_mb, started.total / started.replicas])
     else:
         both = torch.empty(n + 1, dtype=torch.float64, device=device)
     broadcast(collective.transport, both, src, collective.timeout, "the step's losses")

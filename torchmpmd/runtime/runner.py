@@ -192,8 +192,10 @@ class PipelineRunner:
                     # in the backward.
                     backward_rng=set(self._settings.selective_recompute),
                 )
-            where = (self._collective, compiled.loss_rank, step.losses, self.device)
-            started = results.start_loss_mean(*where, layout.replica_group)
+            src = compiled.loss_rank
+            started = results.start_loss_mean(
+                self._collective, src, step.losses, self.device, layout.replica_group
+            )
             try:
                 layout.finish(self._traced.tied_parameters)
             except BaseException:
@@ -201,7 +203,9 @@ class PipelineRunner:
                 raise
             self.timeline = compiled.measured_timeline(self.num_ranks)
             self.timeline.events.extend(layout.step_events(self.rank))
-            loss, losses = results.share_losses(*where, layout.replica_group, started)
+            loss, losses = results.share_losses(
+                self._collective, src, len(step.losses), self.device, started
+            )
         return StepOutput(loss=loss, losses=losses, metrics=layout.step_metrics())
 
     @torch.no_grad()
